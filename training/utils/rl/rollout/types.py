@@ -1,0 +1,254 @@
+"""The user contract: what a rollout function receives and returns, and what the trainer eats.
+
+`rollout_fn(row, **ctx)` returns a `RolloutSample` (one segment), a `RolloutRun` (several
+segments sharing one reward), or `None` (drop this draw). `validate_run` checks the
+return at the boundary and names the row, draw, segment and field on any violation.
+`pack_run` shifts a run's segments by one into `Datum`s; a `PromptGroup` is one row's
+surviving runs with their advantages, packed and ready for the trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from training.utils.errors import RolloutContractError
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class RolloutSample:
+    """One training segment: three parallel per-token lists plus a reward."""
+
+    tokens: list[int]
+    """The whole sequence: prompt, sampled outputs, and any tool/user tokens in between."""
+    logprobs: list[float]
+    """Sampler logprob of each token under the distribution it was sampled from; 0.0 where not sampled."""
+    loss_mask: list[int]
+    """1 on tokens sampled by the policy (trained), 0 elsewhere."""
+    reward: float
+    finish_reason: str = "stop"
+    """"stop", "length" (truncated at max_tokens) or "abort"."""
+    text: str = ""
+    raw_logprobs: list[float] | None = None
+    """Optional logprobs before any correction, kept for diagnostics only."""
+    versions: list[int] | None = None
+    """Optional policy version that produced each token (-1 where not sampled)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutRun:
+    """One trajectory that produced several segments; one reward, one advantage for all of them."""
+
+    segments: list[RolloutSample]
+    run_id: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    @property
+    def reward(self) -> float:
+        return self.segments[0].reward
+
+
+@dataclass
+class RolloutSetup:
+    """What `make_rollout_fn(setup)` receives once at start-up."""
+
+    tokenizer: Any
+    sampler: Any
+    """Async token-in/token-out client bound to the deployment (`await sampler.sample(prompt_ids, ...)`)."""
+    sample_kwargs: dict[str, Any]
+    """Default sampling parameters from the config: max_tokens, temperature, top_p, top_k, stop, timeout."""
+    inference_base_url: str
+    model_name: str
+    completions_per_prompt: int
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Free-form user values from `main(..., rollout_extras=...)`."""
+    shim: Any = None
+    """Handle to open agent-shim sessions, when the shim is enabled."""
+
+
+@dataclass
+class Datum:
+    """One segment shifted by one for next-token training."""
+
+    input_ids: list[int]
+    """tokens[:-1]"""
+    target_ids: list[int]
+    """tokens[1:]"""
+    weights: list[float]
+    """loss_mask[1:]: 1.0 where the target is trained."""
+    behaviour_logprobs: list[float]
+    """logprobs[1:]: the sampler's logprob of each target."""
+    advantage: float
+    prompt_len: int
+    """Tokens before the first trainable token (the first target index with weight 1 is prompt_len - 1)."""
+    versions: list[int] | None = None
+    """versions[1:] when the sampler reported them."""
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class PromptGroup:
+    """One dataset row's surviving runs, their rewards and advantages, packed for the trainer."""
+
+    row_id: str
+    rewards_G: list[float]
+    advantages_G: list[float]
+    runs_G: list[RolloutRun]
+    datums: list[Datum]
+    row: dict[str, Any] = field(default_factory=dict)
+    submit_version: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rewards(self) -> list[float]:
+        return self.rewards_G
+
+
+def sample_from_completion(
+    prompt_ids: list[int],
+    output_ids: list[int],
+    output_logprobs: list[float],
+    reward: float,
+    *,
+    finish_reason: str = "stop",
+    text: str = "",
+    output_versions: list[int] | None = None,
+) -> RolloutSample:
+    """Build a one-segment sample: prompt tokens are context (mask 0, logprob 0.0), outputs are trained."""
+    if len(output_ids) != len(output_logprobs):
+        raise RolloutContractError(
+            f"output_ids has {len(output_ids)} entries but output_logprobs has {len(output_logprobs)}"
+        )
+    versions = None
+    if output_versions is not None:
+        versions = [-1] * len(prompt_ids) + list(output_versions)
+    return RolloutSample(
+        tokens=list(prompt_ids) + list(output_ids),
+        logprobs=[0.0] * len(prompt_ids) + [float(x) for x in output_logprobs],
+        loss_mask=[0] * len(prompt_ids) + [1] * len(output_ids),
+        reward=float(reward),
+        finish_reason=finish_reason,
+        text=text,
+        versions=versions,
+    )
+
+
+def validate_run(result: Any, *, row_id: Any, draw_index: int, vocab_size: int | None) -> RolloutRun:
+    """Check one rollout return against the contract; return it as a `RolloutRun`.
+
+    Raises `RolloutContractError` naming the row, draw, segment and field.
+    `None` is handled by the caller (a counted drop), never passed here.
+    """
+    where = f"row {row_id!r} draw {draw_index}"
+    if isinstance(result, RolloutSample):
+        run = RolloutRun(segments=[result])
+    elif isinstance(result, RolloutRun):
+        run = result
+    else:
+        raise RolloutContractError(
+            f"{where}: rollout_fn returned {type(result).__name__}; expected RolloutSample, RolloutRun or None"
+        )
+    if not run.segments:
+        raise RolloutContractError(f"{where}: RolloutRun has no segments")
+    for segment_index, sample in enumerate(run.segments):
+        if not isinstance(sample, RolloutSample):
+            raise RolloutContractError(
+                f"{where} segment {segment_index}: segments holds {type(sample).__name__}, expected RolloutSample"
+            )
+        _validate_sample(sample, f"{where} segment {segment_index}", vocab_size)
+    first_reward = run.segments[0].reward
+    for segment_index, sample in enumerate(run.segments[1:], start=1):
+        if sample.reward != first_reward:
+            raise RolloutContractError(
+                f"{where} segment {segment_index}: reward is {sample.reward} but segment 0 has {first_reward}; "
+                "every segment of a run shares one reward"
+            )
+    return run
+
+
+def _validate_sample(sample: RolloutSample, where: str, vocab_size: int | None) -> None:
+    n = len(sample.tokens)
+    for name in ("logprobs", "loss_mask"):
+        if len(getattr(sample, name)) != n:
+            raise RolloutContractError(
+                f"{where}: tokens has {n} entries but {name} has {len(getattr(sample, name))}"
+            )
+    if sample.versions is not None and len(sample.versions) != n:
+        raise RolloutContractError(f"{where}: tokens has {n} entries but versions has {len(sample.versions)}")
+    if n < 2:
+        raise RolloutContractError(f"{where}: tokens has {n} entries; a trainable sequence needs at least 2")
+    if not isinstance(sample.reward, (int, float)) or isinstance(sample.reward, bool):
+        raise RolloutContractError(f"{where}: reward is {type(sample.reward).__name__}, expected a float")
+    if not math.isfinite(sample.reward):
+        raise RolloutContractError(f"{where}: reward is {sample.reward}, expected a finite float")
+    if not isinstance(sample.finish_reason, str):
+        raise RolloutContractError(f"{where}: finish_reason is {sample.finish_reason!r}, expected a string")
+    for i, m in enumerate(sample.loss_mask):
+        if m not in (0, 1):
+            raise RolloutContractError(f"{where}: loss_mask[{i}] is {m!r}; entries must be 0 or 1")
+    if sample.loss_mask[0] == 1:
+        raise RolloutContractError(
+            f"{where}: loss_mask[0] is 1, but the first token has no context to be predicted from"
+        )
+    if not any(sample.loss_mask):
+        raise RolloutContractError(f"{where}: loss_mask has no 1 entries; nothing would be trained")
+    for i, tok in enumerate(sample.tokens):
+        if not isinstance(tok, int) or isinstance(tok, bool):
+            raise RolloutContractError(f"{where}: tokens[{i}] is {tok!r}, expected an int token id")
+        if tok < 0 or (vocab_size is not None and tok >= vocab_size):
+            raise RolloutContractError(
+                f"{where}: tokens[{i}] is {tok}, outside the vocabulary [0, {vocab_size})"
+            )
+    for i, (lp, m) in enumerate(zip(sample.logprobs, sample.loss_mask)):
+        if m == 1 and not (isinstance(lp, (int, float)) and math.isfinite(lp)):
+            raise RolloutContractError(f"{where}: logprobs[{i}] is {lp!r} at a trained position; expected finite")
+        if m == 1 and lp > 1e-6:
+            raise RolloutContractError(f"{where}: logprobs[{i}] is {lp}, a log-probability must be <= 0")
+
+
+def pack_run(run: RolloutRun, advantage: float) -> list[Datum]:
+    """Shift each segment by one: inputs tokens[:-1], targets tokens[1:], weights/logprobs [1:]."""
+    datums = []
+    for sample in run.segments:
+        prompt_len = sample.loss_mask.index(1)
+        datums.append(
+            Datum(
+                input_ids=list(sample.tokens[:-1]),
+                target_ids=list(sample.tokens[1:]),
+                weights=[float(m) for m in sample.loss_mask[1:]],
+                behaviour_logprobs=[float(x) for x in sample.logprobs[1:]],
+                advantage=float(advantage),
+                prompt_len=prompt_len,
+                versions=list(sample.versions[1:]) if sample.versions is not None else None,
+            )
+        )
+    return datums
+
+
+def make_prompt_group(
+    row_id: str,
+    runs_G: list[RolloutRun],
+    advantages_G: list[float],
+    *,
+    row: dict[str, Any] | None = None,
+    submit_version: int = 0,
+) -> PromptGroup:
+    """Pack a row's runs with their advantages (one per run, broadcast over its segments)."""
+    if len(runs_G) != len(advantages_G):
+        raise ValueError(f"{len(runs_G)} runs but {len(advantages_G)} advantages")
+    datums = [d for run, adv in zip(runs_G, advantages_G) for d in pack_run(run, adv)]
+    return PromptGroup(
+        row_id=row_id,
+        rewards_G=[run.reward for run in runs_G],
+        advantages_G=list(advantages_G),
+        runs_G=runs_G,
+        datums=datums,
+        row=row or {},
+        submit_version=submit_version,
+    )
