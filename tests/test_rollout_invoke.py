@@ -1,0 +1,146 @@
+"""Calling rollout functions: context kwargs, drops, bug propagation, cancellation; row cursor."""
+
+import asyncio
+
+import pytest
+
+from training.utils.errors import ConfigError, RecoverableRolloutError, RolloutContractError
+from training.utils.rl.dataset import RowCursor
+from training.utils.rl.rollout.invoke import CONTEXT_KEYS, context_params, gather_or_cancel, is_recoverable, run_draw
+from training.utils.rl.rollout.types import RolloutSample
+
+CTX = dict(cursor_index=5, row_index=2, epoch=1, sample_index=3, submit_version=7, evaluation=False)
+
+
+def sample():
+    return RolloutSample(tokens=[1, 2, 3], logprobs=[0.0, -0.1, -0.2], loss_mask=[0, 1, 1], reward=1.0)
+
+
+def test_context_params_reads_declared_keys():
+    async def only_row(row): ...
+    async def some(row, sample_index, submit_version=0): ...
+    async def everything(row, **kwargs): ...
+
+    assert context_params(only_row) == ()
+    assert context_params(some) == ("sample_index", "submit_version")
+    assert context_params(everything) == CONTEXT_KEYS
+
+
+def test_context_params_rejects_typos_and_sync_functions():
+    async def typo(row, epcoh=0): ...
+
+    with pytest.raises(ConfigError, match="declares parameter 'epcoh', which is not a context key"):
+        context_params(typo)
+
+    def not_async(row): ...
+
+    with pytest.raises(ConfigError, match="must be `async def"):
+        context_params(not_async)
+
+
+def test_only_declared_context_is_passed():
+    seen = {}
+
+    async def rollout(row, sample_index, epoch):
+        seen.update(row=row, sample_index=sample_index, epoch=epoch)
+        return sample()
+
+    result = asyncio.run(run_draw(rollout, {"q": 1}, CTX, context_params(rollout), row_id="r", draw_index=3,
+                                  vocab_size=10, timeout_s=5))
+    assert seen == {"row": {"q": 1}, "sample_index": 3, "epoch": 1}
+    assert result.run is not None and result.drop_reason is None
+
+
+class HTTPStatusError(Exception):
+    def __init__(self, status_code):
+        self.status_code = status_code
+
+
+@pytest.mark.parametrize(
+    "exc, recoverable",
+    [
+        (RecoverableRolloutError("x"), True),
+        (TimeoutError(), True),
+        (ConnectionResetError(), True),
+        (HTTPStatusError(503), True),
+        (HTTPStatusError(429), True),
+        (HTTPStatusError(408), True),
+        (HTTPStatusError(400), False),
+        (KeyError("answer"), False),
+        (ValueError("bad"), False),
+    ],
+)
+def test_error_classification(exc, recoverable):
+    assert is_recoverable(exc) is recoverable
+
+
+def draw(fn, timeout_s=5.0):
+    return asyncio.run(run_draw(fn, {}, CTX, (), row_id="q1", draw_index=0, vocab_size=10, timeout_s=timeout_s))
+
+
+def test_drops_are_counted_with_reasons():
+    async def none(row):
+        return None
+
+    async def recoverable(row):
+        raise RecoverableRolloutError("sandbox down")
+
+    async def hangs(row):
+        await asyncio.sleep(30)
+
+    assert draw(none).drop_reason == "returned_none"
+    assert draw(recoverable).drop_reason == "recoverable:RecoverableRolloutError"
+    result = draw(hangs, timeout_s=0.05)
+    assert result.drop_reason == "timeout" and result.run is None
+
+
+def test_bugs_and_contract_violations_propagate():
+    async def bug(row):
+        return row["missing"]
+
+    async def malformed(row):
+        return RolloutSample(tokens=[1, 2], logprobs=[0.0], loss_mask=[0, 1], reward=0.0)
+
+    with pytest.raises(KeyError, match="missing"):
+        draw(bug)
+    with pytest.raises(RolloutContractError, match="row 'q1' draw 0 segment 0: tokens has 2 entries but logprobs has 1"):
+        draw(malformed)
+
+
+def test_gather_or_cancel_cancels_siblings_on_failure():
+    cancelled = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def fails():
+        await asyncio.sleep(0.01)
+        raise KeyError("boom")
+
+    async def ok(x):
+        return x
+
+    with pytest.raises(KeyError, match="boom"):
+        asyncio.run(gather_or_cancel([slow(), fails()]))
+    assert cancelled == [True]
+    assert asyncio.run(gather_or_cancel([ok(1), ok(2)])) == [1, 2]
+
+
+def test_row_cursor_is_deterministic_resumable_and_wraps_epochs():
+    rows = [{"id": f"r{i}"} for i in range(5)]
+    cursor = RowCursor(rows, seed=3)
+    first = cursor.take(3)
+    state = cursor.state_dict()
+    rest = cursor.take(4)
+    assert sorted(i.row_id for i in first + rest[:2]) == [f"r{i}" for i in range(5)]
+    assert [i.epoch for i in rest] == [0, 0, 1, 1] and [i.cursor_index for i in rest] == [3, 4, 5, 6]
+    resumed = RowCursor(rows, seed=0)
+    resumed.load_state_dict(state)
+    assert [i.row_id for i in resumed.take(4)] == [i.row_id for i in rest]
+    assert [i.row_id for i in RowCursor(rows, seed=3).take(3)] == [i.row_id for i in first]
+    with pytest.raises(ConfigError, match=r"rows\[1\] is str; every dataset row must be a dict"):
+        RowCursor([{}, "x"], seed=0)

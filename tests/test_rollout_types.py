@@ -1,0 +1,174 @@
+"""The rollout contract: one test per violation with the exact message, and packing/shift."""
+
+import math
+
+import pytest
+
+from training.utils.errors import RolloutContractError
+from training.utils.rl.rollout.types import (
+    Datum,
+    PromptGroup,
+    RolloutRun,
+    RolloutSample,
+    RolloutSetup,
+    make_prompt_group,
+    pack_run,
+    sample_from_completion,
+    validate_run,
+)
+
+
+def good_sample(**overrides):
+    fields = dict(
+        tokens=[5, 6, 7, 8, 9],
+        logprobs=[0.0, 0.0, -0.5, -1.0, -0.25],
+        loss_mask=[0, 0, 1, 1, 1],
+        reward=1.0,
+    )
+    fields.update(overrides)
+    return RolloutSample(**fields)
+
+
+def check(result, message, vocab_size=100):
+    with pytest.raises(RolloutContractError) as err:
+        validate_run(result, row_id="q17", draw_index=3, vocab_size=vocab_size)
+    assert str(err.value) == message
+
+
+def test_exports_the_contract_types():
+    import training.utils.rl.rollout.types as types
+
+    for name in ("RolloutSample", "RolloutRun", "RolloutSetup", "PromptGroup"):
+        assert hasattr(types, name)
+    assert RolloutSetup.__dataclass_fields__.keys() >= {
+        "tokenizer", "sampler", "sample_kwargs", "inference_base_url", "model_name",
+        "completions_per_prompt", "extras", "shim",
+    }
+
+
+def test_valid_sample_becomes_one_segment_run():
+    sample = good_sample()
+    run = validate_run(sample, row_id="q17", draw_index=3, vocab_size=100)
+    assert isinstance(run, RolloutRun) and run.segments == [sample] and run.reward == 1.0
+
+
+def test_length_mismatch_names_row_draw_segment_and_field():
+    check(good_sample(loss_mask=[0, 0, 1, 1]), "row 'q17' draw 3 segment 0: tokens has 5 entries but loss_mask has 4")
+    check(good_sample(logprobs=[0.0] * 6), "row 'q17' draw 3 segment 0: tokens has 5 entries but logprobs has 6")
+    check(good_sample(versions=[0, 0]), "row 'q17' draw 3 segment 0: tokens has 5 entries but versions has 2")
+
+
+def test_too_short():
+    check(
+        good_sample(tokens=[5], logprobs=[0.0], loss_mask=[1]),
+        "row 'q17' draw 3 segment 0: tokens has 1 entries; a trainable sequence needs at least 2",
+    )
+
+
+def test_no_trainable_token():
+    check(
+        good_sample(loss_mask=[0] * 5),
+        "row 'q17' draw 3 segment 0: loss_mask has no 1 entries; nothing would be trained",
+    )
+
+
+def test_first_token_cannot_be_trained():
+    check(
+        good_sample(loss_mask=[1, 0, 1, 1, 1]),
+        "row 'q17' draw 3 segment 0: loss_mask[0] is 1, but the first token has no context to be predicted from",
+    )
+
+
+def test_mask_values_must_be_binary():
+    check(good_sample(loss_mask=[0, 0, 2, 1, 1]), "row 'q17' draw 3 segment 0: loss_mask[2] is 2; entries must be 0 or 1")
+
+
+def test_nonfinite_logprob_on_trained_token():
+    check(
+        good_sample(logprobs=[0.0, 0.0, -0.5, math.nan, -0.25]),
+        "row 'q17' draw 3 segment 0: logprobs[3] is nan at a trained position; expected finite",
+    )
+    check(
+        good_sample(logprobs=[0.0, 0.0, -math.inf, -1.0, -0.25]),
+        "row 'q17' draw 3 segment 0: logprobs[2] is -inf at a trained position; expected finite",
+    )
+
+
+def test_nonfinite_logprob_on_context_token_is_allowed():
+    validate_run(good_sample(logprobs=[math.nan, 0.0, -0.5, -1.0, -0.25]), row_id="q", draw_index=0, vocab_size=100)
+
+
+def test_positive_logprob():
+    check(
+        good_sample(logprobs=[0.0, 0.0, 0.5, -1.0, -0.25]),
+        "row 'q17' draw 3 segment 0: logprobs[2] is 0.5, a log-probability must be <= 0",
+    )
+
+
+def test_token_outside_vocabulary():
+    check(
+        good_sample(tokens=[5, 6, 100, 8, 9]),
+        "row 'q17' draw 3 segment 0: tokens[2] is 100, outside the vocabulary [0, 100)",
+    )
+    check(good_sample(tokens=[5, -1, 7, 8, 9]), "row 'q17' draw 3 segment 0: tokens[1] is -1, outside the vocabulary [0, 100)")
+    check(good_sample(tokens=[5, 6, 7.0, 8, 9]), "row 'q17' draw 3 segment 0: tokens[2] is 7.0, expected an int token id")
+
+
+def test_reward_must_be_finite_number():
+    check(good_sample(reward=math.inf), "row 'q17' draw 3 segment 0: reward is inf, expected a finite float")
+    check(good_sample(reward="1"), "row 'q17' draw 3 segment 0: reward is str, expected a float")
+
+
+def test_segments_share_one_reward():
+    run = RolloutRun(segments=[good_sample(), good_sample(reward=0.5)])
+    check(run, "row 'q17' draw 3 segment 1: reward is 0.5 but segment 0 has 1.0; every segment of a run shares one reward")
+
+
+def test_second_segment_violation_names_its_index():
+    run = RolloutRun(segments=[good_sample(), good_sample(loss_mask=[0, 0, 1])])
+    check(run, "row 'q17' draw 3 segment 1: tokens has 5 entries but loss_mask has 3")
+
+
+def test_wrong_return_type_and_empty_run():
+    check({"tokens": [1]}, "row 'q17' draw 3: rollout_fn returned dict; expected RolloutSample, RolloutRun or None")
+    check(RolloutRun(segments=[]), "row 'q17' draw 3: RolloutRun has no segments")
+
+
+def test_sample_from_completion_masks_prompt_and_trains_outputs():
+    sample = sample_from_completion([1, 2, 3], [4, 5], [-0.1, -0.2], 0.5, finish_reason="length", output_versions=[7, 8])
+    assert sample.tokens == [1, 2, 3, 4, 5]
+    assert sample.loss_mask == [0, 0, 0, 1, 1]
+    assert sample.logprobs == [0.0, 0.0, 0.0, -0.1, -0.2]
+    assert sample.versions == [-1, -1, -1, 7, 8]
+    assert sample.reward == 0.5 and sample.finish_reason == "length"
+    with pytest.raises(RolloutContractError, match="output_ids has 2 entries but output_logprobs has 1"):
+        sample_from_completion([1], [4, 5], [-0.1], 0.0)
+
+
+def test_pack_run_shifts_by_one():
+    sample = RolloutSample(
+        tokens=[10, 11, 12, 13, 14, 15],
+        logprobs=[0.0, 0.0, -0.3, 0.0, -0.6, -0.7],
+        loss_mask=[0, 0, 1, 0, 1, 1],
+        reward=1.0,
+        versions=[-1, -1, 2, -1, 3, 3],
+    )
+    (datum,) = pack_run(RolloutRun(segments=[sample]), advantage=-0.5)
+    assert datum.input_ids == [10, 11, 12, 13, 14]
+    assert datum.target_ids == [11, 12, 13, 14, 15]
+    assert datum.weights == [0.0, 1.0, 0.0, 1.0, 1.0]
+    assert datum.behaviour_logprobs == [0.0, -0.3, 0.0, -0.6, -0.7]
+    assert datum.versions == [-1, 2, -1, 3, 3]
+    assert datum.advantage == -0.5 and datum.prompt_len == 2 and len(datum) == 5
+    # The first trained target sits at prompt_len - 1 in the shifted arrays.
+    assert datum.weights[datum.prompt_len - 1] == 1.0 and datum.target_ids[datum.prompt_len - 1] == 12
+
+
+def test_prompt_group_broadcasts_one_advantage_per_run_over_segments():
+    two_segments = RolloutRun(segments=[good_sample(), good_sample(tokens=[1, 2, 3, 4, 5])])
+    one_segment = RolloutRun(segments=[good_sample(reward=0.0)])
+    group = make_prompt_group("q1", [two_segments, one_segment], [0.7, -0.7], submit_version=4)
+    assert isinstance(group, PromptGroup)
+    assert group.rewards_G == [1.0, 0.0] and group.rewards == [1.0, 0.0]
+    assert [d.advantage for d in group.datums] == [0.7, 0.7, -0.7]
+    assert all(isinstance(d, Datum) for d in group.datums) and group.submit_version == 4

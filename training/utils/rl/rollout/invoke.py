@@ -1,0 +1,126 @@
+"""Calling the user's rollout function: context kwargs, timeouts, error classification, validation.
+
+Shared by both recipes. A draw ends in one of three ways: a validated `RolloutRun`, a
+counted drop (`None` returned, a recoverable error, a timeout), or a raised exception
+that stops the run (any other error is a bug in user code and keeps its traceback; a
+contract violation raises `RolloutContractError` naming row, draw, segment and field).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from training.utils.errors import ConfigError, RecoverableRolloutError
+from training.utils.rl.rollout.types import RolloutRun, validate_run
+
+CONTEXT_KEYS = ("cursor_index", "row_index", "epoch", "sample_index", "submit_version", "evaluation")
+
+_RETRYABLE_HTTP_STATUS = {408, 429}
+
+
+def context_params(rollout_fn: Callable) -> tuple[str, ...]:
+    """The context keys `rollout_fn` declares (all of them if it takes **kwargs), read once at start-up.
+
+    A declared keyword that is not a context key is an error: a typo such as `epcoh=0`
+    would otherwise silently never be filled.
+    """
+    if not callable(rollout_fn):
+        raise ConfigError(f"rollout_fn_factory returned {type(rollout_fn).__name__}, expected an async callable")
+    if not inspect.iscoroutinefunction(rollout_fn) and not inspect.iscoroutinefunction(
+        getattr(rollout_fn, "__call__", None)
+    ):
+        raise ConfigError("rollout_fn must be `async def rollout_fn(row, **ctx)`; got a plain function")
+    params = list(inspect.signature(rollout_fn).parameters.values())
+    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        raise ConfigError("rollout_fn must take the dataset row as its first positional parameter")
+    declared = []
+    for p in params[1:]:
+        if p.kind is p.VAR_KEYWORD:
+            return CONTEXT_KEYS
+        if p.kind is p.VAR_POSITIONAL:
+            continue
+        if p.name not in CONTEXT_KEYS:
+            raise ConfigError(
+                f"rollout_fn declares parameter {p.name!r}, which is not a context key; "
+                f"known keys: {', '.join(CONTEXT_KEYS)}"
+            )
+        declared.append(p.name)
+    return tuple(declared)
+
+
+def is_recoverable(exc: BaseException) -> bool:
+    """Timeouts, connection errors, HTTP 408/429/5xx and `RecoverableRolloutError` drop the draw."""
+    if isinstance(exc, (RecoverableRolloutError, TimeoutError, asyncio.TimeoutError, ConnectionError)):
+        return True
+    status = getattr(exc, "status_code", None) or getattr(exc, "status", None)
+    if isinstance(status, int) and (status in _RETRYABLE_HTTP_STATUS or status >= 500):
+        return True
+    try:
+        import aiohttp
+
+        if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError)):
+            return True
+    except ImportError:  # pragma: no cover - aiohttp is a dependency
+        pass
+    try:
+        import openai
+
+        if isinstance(exc, (openai.APIConnectionError, openai.APITimeoutError)):
+            return True
+    except ImportError:  # pragma: no cover - openai is a dependency
+        pass
+    return False
+
+
+@dataclass
+class DrawResult:
+    """One `rollout_fn` call: a run, or the reason it was dropped."""
+
+    run: RolloutRun | None
+    drop_reason: str | None = None
+    error: BaseException | None = None
+
+
+async def run_draw(
+    rollout_fn: Callable,
+    row: dict[str, Any],
+    context: dict[str, Any],
+    accepted_keys: tuple[str, ...],
+    *,
+    row_id: Any,
+    draw_index: int,
+    vocab_size: int | None,
+    timeout_s: float,
+) -> DrawResult:
+    """Call `rollout_fn(row, **ctx)` with a timeout; drops are returned, bugs are raised."""
+    kwargs = {k: context[k] for k in accepted_keys if k in context}
+    try:
+        result = await asyncio.wait_for(rollout_fn(row, **kwargs), timeout=timeout_s)
+    except (asyncio.TimeoutError, TimeoutError) as exc:
+        return DrawResult(None, "timeout", exc)
+    except Exception as exc:
+        if is_recoverable(exc):
+            return DrawResult(None, f"recoverable:{type(exc).__name__}", exc)
+        raise
+    if result is None:
+        return DrawResult(None, "returned_none")
+    return DrawResult(validate_run(result, row_id=row_id, draw_index=draw_index, vocab_size=vocab_size))
+
+
+async def gather_or_cancel(coros: list) -> list:
+    """Like `asyncio.gather`, but the first exception cancels the others and is re-raised as is."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
