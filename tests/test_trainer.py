@@ -1,0 +1,371 @@
+"""The local trainer: logprob parity with a plain forward, micro-batched gradients, metrics,
+a supervised sanity run, the non-finite-gradient guard, LR schedules, export and the reference mode."""
+
+import logging
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from training.utils.config import TrainerConfig
+from training.utils.errors import ConfigError
+from training.utils.model import load_model_and_tokenizer
+from training.utils.rl.rollout.types import Datum
+from training.utils.tiny_model import tiny_config
+from training.utils.trainer import MicroBatch, Trainer, lr_multiplier, plan_microbatches
+
+VOCAB = 260
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer(tiny_config(VOCAB), device="cpu")
+    return model
+
+
+def make_datum(tokens: list[int], prompt_len: int, advantage: float = 1.0) -> Datum:
+    loss_mask = [0] * prompt_len + [1] * (len(tokens) - prompt_len)
+    return Datum(
+        input_ids=tokens[:-1],
+        target_ids=tokens[1:],
+        weights=[float(m) for m in loss_mask[1:]],
+        behaviour_logprobs=[-1.0] * (len(tokens) - 1),
+        advantage=advantage,
+        prompt_len=prompt_len,
+    )
+
+
+def random_datums(lengths: list[int], seed: int = 1) -> list[Datum]:
+    generator = torch.Generator().manual_seed(seed)
+    datums = []
+    for index, length in enumerate(lengths):
+        tokens = torch.randint(4, VOCAB, (length,), generator=generator).tolist()
+        datums.append(make_datum(tokens, prompt_len=max(1, length // 3), advantage=(-1.0) ** index * (index + 1)))
+    return datums
+
+
+def direct_logprobs_entropy(model, datum: Datum, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference computation: one full forward of one unpadded sequence."""
+    logits = model(torch.tensor([datum.input_ids])).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(1, torch.tensor(datum.target_ids)[:, None]).squeeze(1), entropy
+
+
+def token_mean_pg_loss(logprobs, mb: MicroBatch):
+    loss = -(mb.advantages[:, None] * logprobs * mb.weights).sum() / mb.num_tokens_total
+    return loss, {}
+
+
+def seq_mean_pg_loss(logprobs, mb: MicroBatch):
+    per_seq = (logprobs * mb.weights).sum(1) / mb.weights.sum(1)
+    return -(mb.advantages * per_seq).sum() / mb.num_seqs_total, {}
+
+
+def nll_loss(logprobs, mb: MicroBatch):
+    return -(logprobs * mb.weights).sum() / mb.num_tokens_total, {}
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+# ---- logprobs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_and_entropy_match_a_direct_forward(model, temperature):
+    datums = random_datums([5, 30, 17, 9, 2])
+    cfg = TrainerConfig(logprob_chunk_tokens=7, max_tokens_per_microbatch=40)
+    trainer = Trainer(model, cfg)
+
+    logprobs, entropies = trainer.logprobs(datums, temperature, with_entropy=True)
+    plain = trainer.logprobs(datums, temperature)
+
+    for datum, lp, ent, lp_plain in zip(datums, logprobs, entropies, plain):
+        want_lp, want_ent = direct_logprobs_entropy(model, datum, temperature)
+        assert lp.dtype == torch.float32 and lp.device.type == "cpu" and lp.shape == (len(datum.target_ids),)
+        assert (lp - want_lp).abs().max() < 1e-5
+        assert (ent - want_ent).abs().max() < 1e-5
+        assert torch.equal(lp, lp_plain)
+
+
+def test_temperature_changes_logprobs(model):
+    datums = random_datums([12])
+    trainer = Trainer(model, TrainerConfig())
+    assert not torch.allclose(trainer.logprobs(datums, 1.0)[0], trainer.logprobs(datums, 0.5)[0])
+
+
+# ---- micro-batching -------------------------------------------------------------------
+
+
+def test_plan_microbatches_buckets_by_length():
+    assert plan_microbatches([3, 10, 5, 5, 2], max_tokens=10) == [[1], [2, 3], [0, 4]]
+    # A datum longer than the budget goes alone.
+    assert plan_microbatches([50, 4, 4], max_tokens=8) == [[0], [1, 2]]
+
+
+@pytest.mark.parametrize("loss_fn", [token_mean_pg_loss, seq_mean_pg_loss])
+def test_microbatched_gradient_equals_full_batch_gradient(model, loss_fn):
+    datums = random_datums([23, 6, 14, 31, 9, 14])
+    trainer = Trainer(model, TrainerConfig(logprob_chunk_tokens=8, max_tokens_per_microbatch=100_000))
+    calls = []
+
+    def counting_loss(logprobs, mb):
+        calls.append(mb.datum_indices)
+        return loss_fn(logprobs, mb)
+
+    full = trainer.forward_backward(datums, counting_loss)
+    full_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    assert len(calls) == 1
+
+    calls.clear()
+    trainer.cfg.max_tokens_per_microbatch = 32
+    micro = trainer.forward_backward(datums, counting_loss)
+    micro_grads = grads(model)
+    assert len(calls) >= 4
+    assert sorted(i for indices in calls for i in indices) == list(range(len(datums)))
+
+    assert full_grads.keys() == micro_grads.keys() and len(full_grads) > 0
+    for name in full_grads:
+        assert (full_grads[name] - micro_grads[name]).abs().max() < 1e-5, name
+    assert micro["loss"] == pytest.approx(full["loss"], abs=1e-6)
+
+
+def test_full_batch_gradient_equals_direct_autograd(model):
+    """The chunked, checkpointed logprob path gives the same gradient as a plain forward."""
+    datums = random_datums([11, 20, 7])
+    trainer = Trainer(model, TrainerConfig(logprob_chunk_tokens=5))
+    trainer.forward_backward(datums, token_mean_pg_loss, temperature=0.8)
+    trainer_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    num_tokens = sum(sum(d.weights) for d in datums)
+    loss = 0.0
+    for datum in datums:
+        logits = model(torch.tensor([datum.input_ids])).logits[0] / 0.8
+        logp = torch.log_softmax(logits, -1).gather(1, torch.tensor(datum.target_ids)[:, None]).squeeze(1)
+        loss = loss - datum.advantage * (logp * torch.tensor(datum.weights)).sum() / num_tokens
+    loss.backward()
+    for name, want in grads(model).items():
+        assert (trainer_grads[name] - want).abs().max() < 1e-5, name
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(model):
+    datums = random_datums([15, 8])
+    Trainer(model, TrainerConfig()).forward_backward(datums, token_mean_pg_loss)
+    plain = grads(model)
+    model.zero_grad(set_to_none=True)
+    Trainer(model, TrainerConfig(gradient_checkpointing=True)).forward_backward(datums, token_mean_pg_loss)
+    for name, value in grads(model).items():
+        assert (plain[name] - value).abs().max() < 1e-5, name
+
+
+def test_microbatch_fields_and_extras(model):
+    datums = random_datums([9, 4])
+    old_logprobs = [torch.full((8,), -0.5), [-0.25] * 3]
+    seen = []
+
+    def inspecting_loss(logprobs, mb):
+        seen.append(mb)
+        # Logprobs exist only where a token is trained; context and padding read 0.
+        assert torch.equal(logprobs != 0, mb.weights != 0)
+        return nll_loss(logprobs, mb)
+
+    trainer = Trainer(model, TrainerConfig(max_tokens_per_microbatch=8))
+    trainer.forward_backward(datums, inspecting_loss, extras={"old_logprobs": old_logprobs})
+    assert [mb.datum_indices for mb in seen] == [[0], [1]]
+    short = seen[1]
+    assert short.target_ids.shape == short.extras["old_logprobs"].shape == (1, 3)
+    assert short.extras["old_logprobs"].tolist() == [[-0.25] * 3]
+    assert short.num_seqs_total == 2
+    assert short.num_tokens_total == sum(sum(d.weights) for d in datums)
+    assert short.advantages.tolist() == [datums[1].advantage]
+    assert short.behaviour_logprobs.tolist() == [[-1.0] * 3]
+
+
+# ---- metrics --------------------------------------------------------------------------
+
+
+def test_metrics_aggregate_by_weighted_mean_min_and_max(model):
+    # Three micro-batches of one datum each (budget 10: 10 | 6 | 4, since 6 + 4 pads to 12).
+    datums = [
+        make_datum(list(range(4, 15)), prompt_len=8),  # 10 targets, 3 trained
+        make_datum(list(range(4, 11)), prompt_len=5),  # 6 targets, 2 trained
+        make_datum(list(range(4, 9)), prompt_len=4),  # 4 targets, 1 trained
+    ]
+
+    def loss_with_metrics(logprobs, mb):
+        value = torch.tensor(float(mb.datum_indices[0] + 1))
+        loss = logprobs.sum() * 0 + value
+        return loss, {"score": value, "score_min": value, "score_max": value}
+
+    trainer = Trainer(model, TrainerConfig(max_tokens_per_microbatch=10))
+    metrics = trainer.forward_backward(datums, loss_with_metrics)
+    assert metrics["score"] == pytest.approx((3 * 1 + 2 * 2 + 1 * 3) / 6)
+    assert metrics["score_min"] == 1.0
+    assert metrics["score_max"] == 3.0
+    assert metrics["loss"] == pytest.approx(1 + 2 + 3)
+    assert all(type(v) is float for v in metrics.values())
+
+
+# ---- training -------------------------------------------------------------------------
+
+
+def test_supervised_sanity_run_lowers_the_loss(model):
+    texts = [b"the cat sat on the mat", b"two plus three is five", b"hello world, hello"]
+    datums = [make_datum([4 + b for b in text], prompt_len=3) for text in texts]
+    trainer = Trainer(model, TrainerConfig(learning_rate=1e-2, max_grad_norm=1.0))
+    losses = []
+    for _ in range(25):
+        losses.append(trainer.forward_backward(datums, nll_loss)["loss"])
+        stats = trainer.optim_step()
+        assert stats["skipped"] == 0.0 and math.isfinite(stats["grad_norm"])
+    assert losses[0] > 5.0  # about ln(260) at random init
+    assert losses[-1] < 0.3 * losses[0]
+    assert trainer.step == 25
+
+
+def test_non_finite_gradient_skips_the_step(model, caplog):
+    datums = random_datums([10, 7])
+    trainer = Trainer(model, TrainerConfig(learning_rate=1e-2))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def nan_loss(logprobs, mb):
+        return (logprobs * mb.weights).sum() * float("nan"), {}
+
+    trainer.forward_backward(datums, nan_loss)
+    with caplog.at_level(logging.WARNING, logger="training.utils.trainer"):
+        stats = trainer.optim_step()
+
+    assert stats["skipped"] == 1.0 and math.isnan(stats["grad_norm"]) and stats["lr"] == 1e-2
+    assert trainer.skipped_steps == 1 and trainer.step == 0
+    assert any("skipped optimizer step" in r.getMessage() for r in caplog.records)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+        assert p.grad is None
+    # The next good step applies normally.
+    trainer.forward_backward(datums, nll_loss)
+    assert trainer.optim_step()["skipped"] == 0.0 and trainer.step == 1
+
+
+def test_grad_norm_is_reported_and_clipped(model):
+    datums = random_datums([10, 7])
+    trainer = Trainer(model, TrainerConfig(max_grad_norm=None))
+    trainer.forward_backward(datums, nll_loss)
+    unclipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    assert trainer.optim_step()["grad_norm"] == pytest.approx(unclipped)
+
+    clipping = Trainer(model, TrainerConfig(max_grad_norm=1e-3))
+    clipping.forward_backward(datums, nll_loss)
+    captured = {}
+    clipping.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: captured.update(
+            norm=torch.nn.utils.get_total_norm([p.grad for g in opt.param_groups for p in g["params"]]).item()
+        )
+    )
+    assert clipping.optim_step()["grad_norm"] > 1e-3
+    assert captured["norm"] == pytest.approx(1e-3, rel=1e-3)
+
+
+# ---- LR schedule ----------------------------------------------------------------------
+
+
+def test_lr_schedule_values():
+    def schedule(kind):
+        return TrainerConfig(lr_schedule=kind, warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
+
+    constant, linear, cosine = schedule("constant"), schedule("linear"), schedule("cosine")
+    for cfg in (constant, linear, cosine):
+        assert lr_multiplier(0, cfg) == 0.5 and lr_multiplier(1, cfg) == 1.0 and lr_multiplier(2, cfg) == 1.0
+    assert lr_multiplier(7, constant) == 1.0
+    # Decay spans steps 2..10: progress 0.25 at step 4, 0.5 at step 6, 1 from step 10 on.
+    assert lr_multiplier(4, linear) == pytest.approx(0.1 + 0.9 * 0.75)  # 0.775
+    assert lr_multiplier(6, linear) == pytest.approx(0.55)
+    assert lr_multiplier(10, linear) == pytest.approx(0.1)
+    assert lr_multiplier(25, linear) == pytest.approx(0.1)
+    assert lr_multiplier(4, cosine) == pytest.approx(0.868198, abs=1e-6)  # 0.1 + 0.9·½(1 + cos(π/4))
+    assert lr_multiplier(6, cosine) == pytest.approx(0.55)
+    assert lr_multiplier(10, cosine) == pytest.approx(0.1)
+
+
+def test_trainer_applies_the_schedule(model):
+    cfg = TrainerConfig(learning_rate=1e-3, lr_schedule="linear", warmup_steps=2, total_steps=6)
+    trainer = Trainer(model, cfg)
+    datums = random_datums([6])
+    lrs = []
+    for _ in range(6):
+        trainer.forward_backward(datums, nll_loss)
+        lrs.append(trainer.optim_step()["lr"])
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+
+def test_decaying_schedule_needs_total_steps(model):
+    with pytest.raises(ConfigError, match="total_steps"):
+        Trainer(model, TrainerConfig(lr_schedule="cosine"))
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+
+def test_bad_input_raises_clear_errors(model):
+    trainer = Trainer(model, TrainerConfig())
+    with pytest.raises(ValueError, match="empty"):
+        trainer.logprobs([])
+    with pytest.raises(ValueError, match="empty"):
+        trainer.forward_backward([], nll_loss)
+    broken = random_datums([5, 6])
+    broken[1].target_ids = broken[1].target_ids[:-1]
+    with pytest.raises(ValueError, match="datum 1.*target_ids"):
+        trainer.logprobs(broken)
+    with pytest.raises(ValueError, match="temperature"):
+        trainer.logprobs(random_datums([5]), temperature=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        trainer.forward_backward(random_datums([5]), nll_loss, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"extras\['old'\]\[0\]"):
+        trainer.forward_backward(random_datums([5]), nll_loss, extras={"old": [[0.0] * 3]})
+
+
+# ---- export and reference -------------------------------------------------------------
+
+
+def test_save_hf_round_trip(model, tmp_path):
+    _, tokenizer = load_model_and_tokenizer("tiny-random", device="cpu")
+    trainer = Trainer(model, TrainerConfig(learning_rate=1e-2))
+    trainer.forward_backward(random_datums([8]), nll_loss)
+    trainer.optim_step()
+    trainer.save_hf(tmp_path, tokenizer)
+
+    assert (tmp_path / "model.safetensors").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True, dtype=torch.float32)
+    ids = torch.tensor([[5, 9, 30, 77, 100]])
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids).logits, model(ids).logits, atol=1e-6)
+    assert AutoTokenizer.from_pretrained(tmp_path).encode("hi") == tokenizer.encode("hi")
+
+
+def test_state_dict_for_inference_shares_the_live_weights(model):
+    state = Trainer(model, TrainerConfig()).state_dict_for_inference()
+    params = dict(model.named_parameters())
+    assert "lm_head.weight" in state and "model.embed_tokens.weight" in state
+    for name, tensor in state.items():
+        assert not tensor.requires_grad
+        if name in params:
+            assert tensor.data_ptr() == params[name].data_ptr()
+
+
+def test_reference_trainer_is_frozen(model):
+    reference = Trainer(model, TrainerConfig(), trainable=False)
+    assert reference.optimizer is None and reference.scheduler is None
+    assert not any(p.requires_grad for p in model.parameters())
+    assert not model.training
+    datums = random_datums([7, 12])
+    want, _ = direct_logprobs_entropy(model, datums[1], 1.0)
+    assert (reference.logprobs(datums)[1] - want).abs().max() < 1e-5
+    with pytest.raises(RuntimeError, match="reference"):
+        reference.forward_backward(datums, nll_loss)
+    with pytest.raises(RuntimeError, match="reference"):
+        reference.optim_step()

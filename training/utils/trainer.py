@@ -1,0 +1,464 @@
+"""The local policy/reference trainer: logprobs, forward_backward, optimizer step, export.
+
+One `Trainer` wraps one Hugging Face causal LM on one device:
+- `logprobs(datums)`: no-grad per-token logprobs (and optionally entropies) of the targets;
+- `forward_backward(datums, loss_fn)`: length-bucketed micro-batches, each a forward, a
+  user loss and a `backward()`, so gradients accumulate over the whole call;
+- `optim_step()`: AdamW with a non-finite-gradient guard, norm clipping and an LR schedule;
+- `state_dict_for_inference()` / `save_hf(path)`: hand the weights to an inference engine.
+
+A reference model is a `Trainer(model, cfg, trainable=False)`: frozen, eval mode, no optimizer.
+
+Logprobs are `log_softmax(lm_head(h) / temperature)` at the target ids. The decoder runs once
+per micro-batch; the vocabulary projection runs in chunks of `cfg.logprob_chunk_tokens`
+selected positions, so no float32 `(tokens, vocab)` buffer for the whole batch ever exists.
+Models that transform logits after `lm_head` (e.g. Gemma-2 soft-capping) are not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.checkpoint import checkpoint
+
+from training.utils.config import TrainerConfig
+from training.utils.errors import ConfigError
+from training.utils.rl.rollout.types import Datum
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MicroBatch:
+    """What a loss function sees: one micro-batch, right-padded to its longest datum, on the model's device."""
+
+    target_ids: Tensor
+    """(b, T) long: the next-token targets."""
+    weights: Tensor
+    """(b, T) float: 1.0 on trained tokens, 0 on context and padding."""
+    behaviour_logprobs: Tensor
+    """(b, T) float: the sampler's logprob of each target, 0 at padding."""
+    advantages: Tensor
+    """(b,) float: one advantage per datum."""
+    extras: dict[str, Tensor]
+    """Per-datum arrays passed to `forward_backward(extras=...)`, each (b, T) float, 0 at padding."""
+    datum_indices: list[int]
+    """Positions of this micro-batch's rows in the list given to `forward_backward`."""
+    num_tokens_total: float
+    """Sum of weights over every datum of the `forward_backward` call: the token-mean denominator."""
+    num_seqs_total: int
+    """Number of datums in the `forward_backward` call: the sequence-mean denominator."""
+
+
+LossFn = Callable[[Tensor, MicroBatch], tuple[Tensor, dict[str, Tensor]]]
+"""`loss_fn(logprobs (b, T), micro_batch) -> (scalar loss, metrics)`; see `Trainer.forward_backward`."""
+
+
+@dataclass
+class _PaddedBatch:
+    """One micro-batch's tensors, right-padded; `positions` index the flattened (b·T) grid."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    target_ids: Tensor
+    weights: Tensor
+    behaviour_logprobs: Tensor
+    advantages: Tensor
+    extras: dict[str, Tensor]
+    positions: Tensor
+    """(N,) flat indices of the tokens whose logprob is computed."""
+
+    def to(self, device: torch.device) -> _PaddedBatch:
+        return _PaddedBatch(
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            target_ids=self.target_ids.to(device),
+            weights=self.weights.to(device),
+            behaviour_logprobs=self.behaviour_logprobs.to(device),
+            advantages=self.advantages.to(device),
+            extras={name: values.to(device) for name, values in self.extras.items()},
+            positions=self.positions.to(device),
+        )
+
+
+def lr_multiplier(step: int, cfg: TrainerConfig) -> float:
+    """Fraction of the peak learning rate used by the optimizer step that follows `step` applied steps.
+
+    Warmup: (step + 1) / warmup_steps, so the first step already moves the weights. After it,
+    `progress = (step − warmup_steps) / (total_steps − warmup_steps)` (capped at 1) and
+    linear: min + (1 − min)·(1 − progress); cosine: min + (1 − min)·½(1 + cos(π·progress)).
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    decay_steps = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    if cfg.lr_schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Length-bucket datums: longest first, fill each micro-batch while longest × count ≤ max_tokens.
+
+    A datum longer than the budget goes alone. Returns lists of indices into `lengths`.
+    """
+    longest_first = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    microbatches: list[list[int]] = []
+    current: list[int] = []
+    for index in longest_first:
+        # current[0] is the longest in `current`, so it sets the padded width.
+        if current and lengths[current[0]] * (len(current) + 1) > max_tokens:
+            microbatches.append(current)
+            current = []
+        current.append(index)
+    microbatches.append(current)
+    return microbatches
+
+
+def check_datums(datums: list[Datum]) -> None:
+    """Raise ValueError, naming the datum, if the list is empty or a datum's arrays differ in length."""
+    if not datums:
+        raise ValueError("got an empty list of datums; pass at least one")
+    for index, datum in enumerate(datums):
+        n = len(datum.input_ids)
+        if n == 0:
+            raise ValueError(f"datum {index} has no input_ids")
+        for name, values in (
+            ("target_ids", datum.target_ids),
+            ("weights", datum.weights),
+            ("behaviour_logprobs", datum.behaviour_logprobs),
+        ):
+            if len(values) != n:
+                raise ValueError(f"datum {index}: input_ids has {n} entries but {name} has {len(values)}")
+
+
+def check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _check_extras(extras: dict[str, list], datums: list[Datum]) -> None:
+    for name, rows in extras.items():
+        if len(rows) != len(datums):
+            raise ValueError(f"extras[{name!r}] has {len(rows)} entries for {len(datums)} datums")
+        for index, (row, datum) in enumerate(zip(rows, datums)):
+            if len(row) != len(datum.target_ids):
+                raise ValueError(
+                    f"extras[{name!r}][{index}] has {len(row)} entries but datum {index} has "
+                    f"{len(datum.target_ids)} targets"
+                )
+
+
+def _pad(rows: list, dtype: torch.dtype) -> Tensor:
+    """Right-pad 1-D rows (lists or tensors) with 0 into a (b, T) CPU tensor."""
+    return pad_sequence([torch.as_tensor(row, dtype=dtype, device="cpu") for row in rows], batch_first=True)
+
+
+def _collate(
+    datums: list[Datum], indices: list[int], extras: dict[str, list], *, trained_only: bool
+) -> _PaddedBatch:
+    """Pad the selected datums on the CPU; pick the positions whose logprob is needed.
+
+    `trained_only` keeps positions with non-zero weight (the only ones a loss can use), else all
+    real tokens. Positions are found on the CPU so the device never syncs to size them.
+    """
+    chosen = [datums[i] for i in indices]
+    input_ids = _pad([d.input_ids for d in chosen], torch.long)
+    attention_mask = _pad([[1] * len(d.input_ids) for d in chosen], torch.long)
+    weights = _pad([d.weights for d in chosen], torch.float32)
+    needed = weights != 0 if trained_only else attention_mask.bool()
+    return _PaddedBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        target_ids=_pad([d.target_ids for d in chosen], torch.long),
+        weights=weights,
+        behaviour_logprobs=_pad([d.behaviour_logprobs for d in chosen], torch.float32),
+        advantages=torch.tensor([d.advantage for d in chosen], dtype=torch.float32),
+        extras={name: _pad([rows[i] for i in indices], torch.float32) for name, rows in extras.items()},
+        positions=needed.flatten().nonzero().squeeze(1),
+    )
+
+
+def _chunk_logprobs(lm_head: torch.nn.Module, hidden_CH: Tensor, targets_C: Tensor, temperature: float) -> Tensor:
+    logits_CV = lm_head(hidden_CH).float() / temperature
+    return logits_CV.gather(1, targets_C[:, None]).squeeze(1) - logits_CV.logsumexp(dim=1)
+
+
+def _chunk_logprobs_entropy(
+    lm_head: torch.nn.Module, hidden_CH: Tensor, targets_C: Tensor, temperature: float
+) -> tuple[Tensor, Tensor]:
+    logits_CV = lm_head(hidden_CH).float() / temperature
+    logz_C = logits_CV.logsumexp(dim=1)
+    probs_CV = (logits_CV - logz_C[:, None]).exp()
+    entropy_C = logz_C - (probs_CV * logits_CV).sum(dim=1)
+    return logits_CV.gather(1, targets_C[:, None]).squeeze(1) - logz_C, entropy_C
+
+
+def _scatter(values_N: Tensor, positions_N: Tensor, shape: torch.Size) -> Tensor:
+    """Place per-position values on a zero (b, T) grid; differentiable."""
+    flat = values_N.new_zeros(shape.numel()).index_copy(0, positions_N, values_N)
+    return flat.view(shape)
+
+
+class _MetricTotals:
+    """Accumulates micro-batch losses and metrics as device tensors; reduced once at the end."""
+
+    def __init__(self) -> None:
+        self.loss: Tensor | None = None
+        self.weighted_sums: dict[str, Tensor] = {}
+        self.extremes: dict[str, Tensor] = {}
+        self.weight_total = 0.0
+
+    def add(self, loss: Tensor, metrics: dict[str, Tensor], weight: float) -> None:
+        loss = loss.detach().float()
+        self.loss = loss if self.loss is None else self.loss + loss
+        self.weight_total += weight
+        for name, value in metrics.items():
+            value = torch.as_tensor(value, device=loss.device).detach().float()
+            if name.endswith("_min"):
+                previous = self.extremes.get(name)
+                self.extremes[name] = value if previous is None else torch.minimum(previous, value)
+            elif name.endswith("_max"):
+                previous = self.extremes.get(name)
+                self.extremes[name] = value if previous is None else torch.maximum(previous, value)
+            else:
+                self.weighted_sums[name] = self.weighted_sums.get(name, 0.0) + value * weight
+
+    def reduce(self) -> dict[str, float]:
+        # The loss function's own "loss" metric, if any, is overridden by the summed loss.
+        means = {name: total / self.weight_total for name, total in self.weighted_sums.items()}
+        tensors = {**means, **self.extremes, "loss": self.loss}
+        # One host sync for all metrics together.
+        values = torch.stack(list(tensors.values())).tolist()
+        return dict(zip(tensors.keys(), values))
+
+
+class Trainer:
+    """A policy (trainable) or reference (frozen) model with logprob, gradient and optimizer steps.
+
+    `step` counts applied optimizer steps only; steps skipped for a non-finite gradient are
+    counted in `skipped_steps` and do not advance the LR schedule.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, trainable: bool = True) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.trainable = trainable
+        self.step = 0
+        self.skipped_steps = 0
+        self.device = next(model.parameters()).device
+        self.optimizer: torch.optim.AdamW | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+            return
+        if cfg.lr_schedule != "constant" and cfg.total_steps is None:
+            raise ConfigError(f"lr_schedule={cfg.lr_schedule!r} decays over total_steps; set total_steps")
+        if cfg.gradient_checkpointing:
+            _enable_activation_checkpointing(model)
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(model, cfg.weight_decay),
+            lr=cfg.learning_rate,
+            betas=cfg.adam_betas,
+            fused=self.device.type == "cuda",
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_multiplier(step, cfg))
+
+    # ---- forward passes -------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward(self, batch: _PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """(b, T) logprobs (and entropies) at `batch.positions`, 0 elsewhere; differentiable if grad is on."""
+        lm_head = self.model.get_output_embeddings()
+        with self._autocast():
+            hidden_BTH = self.model.get_decoder()(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+            ).last_hidden_state
+            hidden_NH = hidden_BTH.flatten(0, 1).index_select(0, batch.positions)
+            targets_N = batch.target_ids.flatten().index_select(0, batch.positions)
+            logprob_chunks, entropy_chunks = [], []
+            num_positions = len(batch.positions)
+            for start in range(0, num_positions, self.cfg.logprob_chunk_tokens):
+                stop = start + self.cfg.logprob_chunk_tokens
+                hidden_CH, targets_C = hidden_NH[start:stop], targets_N[start:stop]
+                if with_entropy:
+                    logprobs_C, entropy_C = _chunk_logprobs_entropy(lm_head, hidden_CH, targets_C, temperature)
+                    entropy_chunks.append(entropy_C)
+                elif torch.is_grad_enabled() and stop < num_positions:
+                    # Without recomputation autograd would keep every chunk's float32 (C, V) logits
+                    # alive until backward, i.e. the full-batch buffer chunking exists to avoid.
+                    # Recomputing costs one extra lm_head matmul per chunk in backward. The last
+                    # chunk is exempt: its backward runs first, so its logits add nothing to the peak.
+                    logprobs_C = checkpoint(
+                        _chunk_logprobs, lm_head, hidden_CH, targets_C, temperature, use_reentrant=False
+                    )
+                else:
+                    logprobs_C = _chunk_logprobs(lm_head, hidden_CH, targets_C, temperature)
+                logprob_chunks.append(logprobs_C)
+        shape = batch.input_ids.shape
+        logprobs_BT = _scatter(_cat(logprob_chunks, hidden_NH), batch.positions, shape)
+        entropy_BT = _scatter(_cat(entropy_chunks, hidden_NH), batch.positions, shape) if with_entropy else None
+        return logprobs_BT, entropy_BT
+
+    @torch.no_grad()
+    def logprobs(
+        self, datums: list[Datum], temperature: float = 1.0, *, with_entropy: bool = False
+    ) -> list[Tensor] | tuple[list[Tensor], list[Tensor]]:
+        """Per datum, a float32 CPU tensor of log_softmax(logits / temperature) at each target.
+
+        With `with_entropy`, also returns the per-token entropy of that same distribution.
+        """
+        check_datums(datums)
+        check_temperature(temperature)
+        self.model.eval()
+        logprobs_D: list[Tensor] = [torch.empty(0)] * len(datums)
+        entropy_D: list[Tensor] = [torch.empty(0)] * len(datums)
+        for indices in plan_microbatches([len(d) for d in datums], self.cfg.max_tokens_per_microbatch):
+            batch = _collate(datums, indices, {}, trained_only=False).to(self.device)
+            logprobs_BT, entropy_BT = self._forward(batch, temperature, with_entropy)
+            logprobs_BT = logprobs_BT.cpu()
+            entropy_BT = entropy_BT.cpu() if with_entropy else None
+            for row, index in enumerate(indices):
+                n = len(datums[index].target_ids)
+                logprobs_D[index] = logprobs_BT[row, :n].clone()
+                if with_entropy:
+                    entropy_D[index] = entropy_BT[row, :n].clone()
+        return (logprobs_D, entropy_D) if with_entropy else logprobs_D
+
+    # ---- training ---------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        datums: list[Datum],
+        loss_fn: LossFn,
+        *,
+        temperature: float = 1.0,
+        extras: dict[str, list[Tensor | list[float]]] | None = None,
+    ) -> dict[str, float]:
+        """Accumulate the gradient of `loss_fn` summed over length-bucketed micro-batches.
+
+        `loss_fn(logprobs, mb)` gets (b, T) logprobs with grad, at `temperature`, and must
+        normalise by `mb.num_tokens_total` or `mb.num_seqs_total` so that the micro-batch
+        losses sum to the minibatch loss. Logprobs are computed only where `mb.weights` is
+        non-zero and are 0 elsewhere (context and padding): no loss can use the rest.
+        Gradients accumulate across calls until `optim_step()`.
+
+        Returns "loss" (the summed loss) and each metric of `loss_fn`: names ending in
+        "_min"/"_max" take the min/max over micro-batches, others the mean weighted by each
+        micro-batch's sum of weights.
+        """
+        self._require_trainable("forward_backward")
+        check_datums(datums)
+        check_temperature(temperature)
+        extras = extras or {}
+        _check_extras(extras, datums)
+        self.model.train()
+        num_tokens_total = float(sum(sum(d.weights) for d in datums))
+        totals = _MetricTotals()
+        for indices in plan_microbatches([len(d) for d in datums], self.cfg.max_tokens_per_microbatch):
+            batch = _collate(datums, indices, extras, trained_only=True).to(self.device)
+            logprobs_BT, _ = self._forward(batch, temperature, with_entropy=False)
+            micro = MicroBatch(
+                target_ids=batch.target_ids,
+                weights=batch.weights,
+                behaviour_logprobs=batch.behaviour_logprobs,
+                advantages=batch.advantages,
+                extras=batch.extras,
+                datum_indices=indices,
+                num_tokens_total=num_tokens_total,
+                num_seqs_total=len(datums),
+            )
+            loss, metrics = loss_fn(logprobs_BT, micro)
+            # A micro-batch without trained tokens never reaches the model's graph.
+            if loss.requires_grad:
+                loss.backward()
+            micro_weight = float(sum(sum(datums[i].weights) for i in indices))
+            # If nothing in the call is weighted, average micro-batches equally instead of 0/0.
+            totals.add(loss, metrics, micro_weight if num_tokens_total > 0 else 1.0)
+        return totals.reduce()
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip and apply the accumulated gradient, or skip it if its norm is not finite; then zero it.
+
+        Returns "grad_norm" (before clipping), "lr" (of this step) and "skipped" (1.0 or 0.0).
+        """
+        self._require_trainable("optim_step")
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        # The one host sync of a step: deciding to skip needs the norm on the CPU.
+        grad_norm_value = grad_norm.item()
+        if not math.isfinite(grad_norm_value):
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            logger.warning(
+                "skipped optimizer step %d: gradient norm is %s (%d steps skipped so far)",
+                self.step,
+                grad_norm_value,
+                self.skipped_steps,
+            )
+            return {"grad_norm": grad_norm_value, "lr": lr, "skipped": 1.0}
+        if self.cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"grad_norm": grad_norm_value, "lr": lr, "skipped": 0.0}
+
+    def _require_trainable(self, method: str) -> None:
+        if not self.trainable:
+            raise RuntimeError(f"{method}() called on a reference trainer (trainable=False)")
+
+    # ---- export -----------------------------------------------------------------------
+
+    def state_dict_for_inference(self) -> dict[str, Tensor]:
+        """The live weights under Hugging Face names, detached and not copied."""
+        return self.model.state_dict()
+
+    def save_hf(self, path: str | Path, tokenizer=None) -> None:
+        """Write a Hugging Face directory (config + safetensors, and the tokenizer if given)."""
+        self.model.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
+
+def _cat(chunks: list[Tensor], like: Tensor) -> Tensor:
+    """Concatenate chunk results; an empty float32 tensor when there were no positions."""
+    return torch.cat(chunks) if chunks else like.new_zeros(0, dtype=torch.float32)
+
+
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """HF activation checkpointing, non-reentrant (the reentrant form needs inputs that require grad)."""
+    # transformers 5.17 (our lowest supported) only has the old name; later releases keep it as a
+    # deprecated alias that warns on every call.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: decaying norm gains and biases pulls them towards 0 for no benefit."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
