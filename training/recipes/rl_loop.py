@@ -1,0 +1,252 @@
+"""Synchronous, strictly on-policy RL: the baseline the async recipe is measured against.
+
+What the algorithm is:
+1. Every draw of a batch samples from the same published weights: on-policy at sampling time
+   (no rollout overlaps training, so there is nothing to gate).
+2. One reward per run; group advantages (`advantage_estimator`), one per run, broadcast over
+   its tokens and segments.
+3. Ratio `exp(π − π_old)` against the pre-update weights (`anchor_logp="old_policy"`), so with
+   one PPO epoch and one minibatch the ratio is 1 and the loss is a plain policy gradient;
+   more epochs/minibatches make the clip matter.
+4. Optional KL to a frozen copy of the initial policy (`kl_beta`), TIS for sampler/trainer drift.
+
+Each iteration has five visible phases:
+  1. Sample P rows × G draws through the user's rollout function; assemble groups.
+  2. Reference and old-policy logprobs (no grad).
+  3. PPO inner loop: `ppo_epochs` × `ppo_minibatches` optimizer steps.
+  4. Publish the new policy to the deployment (weight sync, then the version).
+  5. Metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import logging
+import math
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from training.utils.config import RLConfig
+from training.utils.deploy import EmbeddedDeployment, start_embedded_deployment
+from training.utils.errors import CircuitBreakerError
+from training.utils.logging import RunLogger
+from training.utils.model import load_model_and_tokenizer
+from training.utils.rl.dataset import RowCursor, RowItem
+from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
+from training.utils.rl.rollout.invoke import context_params, gather_or_cancel, run_draw
+from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
+from training.utils.rl.train_step import anchor_and_reference, ppo_update
+from training.utils.trainer import Trainer
+
+log = logging.getLogger("training.rl_loop")
+
+
+class Config(RLConfig):
+    """The synchronous recipe has the shared fields only, plus evaluation and export."""
+
+    eval_interval: int = Field(0, ge=0)
+    """Call `evaluation_fn` every this many steps; it always runs before the first and after the last step."""
+    output_dir: str | None = None
+    """Export the final policy here as a Hugging Face directory (safetensors + tokenizer)."""
+    max_consecutive_empty_batches: int = Field(3, ge=1)
+    """Stop with an error after this many batches in a row produce no trainable group (rollouts keep failing)."""
+
+
+def main(
+    cfg: Config,
+    rollout_fn_factory: Callable[[RolloutSetup], Callable],
+    rows: list[dict[str, Any]],
+    dynamic_filter_fn: Callable[[PromptGroup], bool] | None = None,
+    evaluation_fn: Callable | None = None,
+    rollout_extras: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train; returns a summary (steps, last metrics, paths of the run's outputs)."""
+    return asyncio.run(
+        run(cfg, rollout_fn_factory, rows, dynamic_filter_fn=dynamic_filter_fn,
+            evaluation_fn=evaluation_fn, rollout_extras=rollout_extras)
+    )
+
+
+async def run(
+    cfg: Config,
+    rollout_fn_factory: Callable[[RolloutSetup], Callable],
+    rows: list[dict[str, Any]],
+    *,
+    dynamic_filter_fn=None,
+    evaluation_fn=None,
+    rollout_extras=None,
+) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    cursor = RowCursor(rows, seed=cfg.seed)
+    total_steps = cfg.max_steps or cfg.epochs * max(1, len(rows) // cfg.prompt_groups_per_step)
+    policy, reference, tokenizer = setup_trainers(cfg, total_steps)
+    deployment = await start_embedded_deployment(
+        copy.deepcopy(policy.model), tokenizer, cfg.deployment, model_name=cfg.model,
+        sampling_timeout_s=cfg.sampling.timeout_s,
+    )
+    logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress,
+                       wandb_project=cfg.wandb_project, config=cfg.model_dump())
+    try:
+        setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras)
+        rollout_fn = rollout_fn_factory(setup)
+        context_keys = context_params(rollout_fn)
+        metrics: dict[str, float] = {}
+        empty_batches = 0
+        await maybe_evaluate(evaluation_fn, setup, 0, logger)
+        for step in range(1, total_steps + 1):
+            t_step = time.monotonic()
+            # 1. Sample P rows × G draws on the published policy; assemble groups.
+            settled_P = await sample_batch(
+                cursor.take(cfg.prompt_groups_per_step), rollout_fn, context_keys, cfg,
+                vocab_size=policy.model.config.vocab_size, version=deployment.version,
+            )
+            groups, counts = build_groups(settled_P, cfg.advantage_estimator, dynamic_filter_fn)
+            metrics = rollout_metrics(settled_P, groups, counts)
+            t_sampled = time.monotonic()
+            if not groups:
+                empty_batches = check_empty_batch(empty_batches, settled_P, cfg)
+                logger.log(step, metrics | {"perf/step_time": t_sampled - t_step})
+                continue
+            empty_batches = 0
+            # 2.–3. Reference and old-policy logprobs, then the PPO inner loop (on a worker thread).
+            metrics |= await asyncio.to_thread(train_on_groups, policy, reference, groups, cfg, rng)
+            t_trained = time.monotonic()
+            # 4. Publish: push weights, and only then bump the version rollouts see.
+            if step % cfg.weight_sync_interval == 0 or step == total_steps:
+                metrics |= await deployment.weight_sync.sync(policy.state_dict_for_inference(), step)
+            t_synced = time.monotonic()
+            # 5. Metrics.
+            metrics |= perf_metrics(groups, t_step, t_sampled, t_trained, t_synced)
+            metrics["async/version"] = float(deployment.version)
+            if cfg.eval_interval and step % cfg.eval_interval == 0 and step != total_steps:
+                metrics |= await maybe_evaluate(evaluation_fn, setup, step, None)
+            logger.log(step, metrics)
+        metrics |= await maybe_evaluate(evaluation_fn, setup, total_steps, logger if total_steps else None)
+        if cfg.output_dir:
+            await asyncio.to_thread(policy.save_hf, cfg.output_dir, tokenizer)
+    finally:
+        plots = logger.close()
+        await deployment.close()
+    return {
+        "steps": total_steps,
+        "version": deployment.version,
+        "metrics": metrics,
+        "log_path": str(Path(cfg.log_path)),
+        "ledger": str(logger.ledger_path),
+        "plots": [str(p) for p in plots],
+        "output_dir": cfg.output_dir,
+    }
+
+
+def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Trainer | None, Any]:
+    """The policy trainer and, when kl_beta > 0, a frozen reference copy of the initial policy."""
+    model, tokenizer = load_model_and_tokenizer(cfg.model)
+    trainer_cfg = cfg.trainer
+    if trainer_cfg.total_steps is None:
+        optimizer_steps = total_steps * cfg.ppo_epochs * cfg.ppo_minibatches
+        trainer_cfg = trainer_cfg.model_copy(update={"total_steps": optimizer_steps})
+    reference = Trainer(copy.deepcopy(model), trainer_cfg, trainable=False) if cfg.kl_beta > 0 else None
+    return Trainer(model, trainer_cfg), reference, tokenizer
+
+
+def make_rollout_setup(cfg: RLConfig, tokenizer, deployment: EmbeddedDeployment, extras) -> RolloutSetup:
+    s = cfg.sampling
+    return RolloutSetup(
+        tokenizer=tokenizer,
+        sampler=deployment.sampler,
+        sample_kwargs=dict(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                           top_k=s.top_k, stop=list(s.stop), timeout=s.timeout_s),
+        inference_base_url=deployment.base_url,
+        model_name=cfg.model,
+        completions_per_prompt=cfg.completions_per_prompt,
+        extras=dict(extras or {}),
+    )
+
+
+async def sample_batch(
+    items_P: list[RowItem], rollout_fn, context_keys, cfg: RLConfig, *, vocab_size: int, version: int
+) -> list[SettledRow]:
+    """Phase 1: all rows of the batch concurrently; a fatal error in any draw cancels the rest."""
+    return await gather_or_cancel(
+        [sample_row(item, rollout_fn, context_keys, cfg, vocab_size=vocab_size, version=version) for item in items_P]
+    )
+
+
+async def sample_row(item: RowItem, rollout_fn, context_keys, cfg: RLConfig, *, vocab_size: int, version: int) -> SettledRow:
+    """G draws of one row; re-run all G while too few survive, up to the retry budget."""
+    drops: Counter = Counter()
+    min_runs = cfg.effective_min_group_size()
+    for attempt in range(1, cfg.max_incomplete_group_retries + 2):
+        contexts = [
+            dict(cursor_index=item.cursor_index, row_index=item.row_index, epoch=item.epoch,
+                 sample_index=i, submit_version=version, evaluation=False)
+            for i in range(cfg.completions_per_prompt)
+        ]
+        results = await gather_or_cancel([
+            run_draw(rollout_fn, item.row, ctx, context_keys, row_id=item.row_id, draw_index=ctx["sample_index"],
+                     vocab_size=vocab_size, timeout_s=cfg.rollout_timeout_s)
+            for ctx in contexts
+        ])
+        drops.update(r.drop_reason for r in results if r.drop_reason)
+        runs_G = [r.run for r in results if r.run is not None]
+        if len(runs_G) >= min_runs:
+            return SettledRow(item.row_id, item.row, runs_G, drops, attempt, submit_version=version)
+    return SettledRow(item.row_id, item.row, [], drops, attempt, rejected=True, submit_version=version)
+
+
+def train_on_groups(policy: Trainer, reference: Trainer | None, groups: list[PromptGroup], cfg: RLConfig, rng) -> dict[str, float]:
+    """Phases 2–3 on the trainer thread."""
+    datums_D = [d for g in groups for d in g.datums]
+    extras, gap_metrics = anchor_and_reference(policy, reference, datums_D, cfg)
+    return gap_metrics | ppo_update(policy, datums_D, extras, cfg, rng)
+
+
+def perf_metrics(groups, t_step, t_sampled, t_trained, t_synced) -> dict[str, float]:
+    n_samples = sum(len(g.runs_G) for g in groups)
+    n_tokens = sum(len(d) for g in groups for d in g.datums)
+    step_time = t_synced - t_step
+    return {
+        "perf/step_time": step_time,
+        "perf/rollout_wait_time": t_sampled - t_step,
+        "perf/train_time": t_trained - t_sampled,
+        "perf/weight_sync_time": t_synced - t_trained,
+        "perf/trainer_idle_frac": (step_time - (t_trained - t_sampled)) / step_time if step_time > 0 else 0.0,
+        "perf/samples_per_s": n_samples / step_time if step_time > 0 else 0.0,
+        "perf/train_tokens_per_s": n_tokens / (t_trained - t_sampled) if t_trained > t_sampled else 0.0,
+    }
+
+
+def check_empty_batch(empty_batches: int, settled_P: list[SettledRow], cfg: Config) -> int:
+    """Count a batch with no trainable group; too many in a row means the rollouts are broken."""
+    empty_batches += 1
+    drops = sum((s.drop_reasons for s in settled_P), Counter())
+    log.warning("batch produced no trainable group (drops: %s); skipping the optimizer step", dict(drops) or "none")
+    if empty_batches >= cfg.max_consecutive_empty_batches:
+        raise CircuitBreakerError(
+            f"{empty_batches} consecutive batches produced no trainable group; draw drops: {dict(drops)}. "
+            "Rollouts keep failing or every group is filtered out."
+        )
+    return empty_batches
+
+
+async def maybe_evaluate(evaluation_fn, setup: RolloutSetup, step: int, logger: RunLogger | None) -> dict[str, float]:
+    """Run `evaluation_fn(setup, step)` (sync or async); its metrics are logged under `eval/`."""
+    if evaluation_fn is None:
+        return {}
+    result = evaluation_fn(setup, step)
+    if inspect.isawaitable(result):
+        result = await result
+    metrics = {k if k.startswith("eval/") else f"eval/{k}": float(v) for k, v in (result or {}).items()
+               if isinstance(v, (int, float)) and math.isfinite(v)}
+    if logger is not None:
+        logger.log(step, metrics)
+    return metrics
