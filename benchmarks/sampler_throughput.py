@@ -1,0 +1,145 @@
+"""Output tokens/s of the embedded deployment vs plain batched `model.generate`, plus weight-sync time.
+
+For each request count N: N prompts of random token ids are sampled (temperature 1, top_p 1,
+top_k off), all N concurrent (`max_batch_requests=N`), (a) through `Engine.generate`, (b)
+through the HTTP sampler (what rollouts use: adds aiohttp client + server in the same
+process), and (c) with one left-padded `model.generate(do_sample=True)` call over the same
+prompts on the same device. Throughput counts useful output tokens (up
+to and including EOS); `generate` keeps decoding finished rows until the longest is done,
+the engine frees them. Then one weight sync of the full state_dict for `in_process` and
+`disk`.
+
+    python benchmarks/sampler_throughput.py                       # 64 and 256 requests x 256 tokens
+    python benchmarks/sampler_throughput.py --model tiny-random --requests 64 256 --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import tempfile
+import time
+
+import torch
+
+from training.utils.config import DeploymentConfig
+from training.utils.deploy import DiskWeightSync, start_embedded_deployment
+from training.utils.model import load_model_and_tokenizer
+
+
+def make_prompts(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (n,), generator=g)
+    # Skip the first ids: special tokens in both tokenizers this runs with.
+    return [torch.randint(10, vocab, (int(length),), generator=g).tolist() for length in lengths]
+
+
+def useful_tokens(output_ids: list[int], eos: int | None) -> int:
+    return output_ids.index(eos) + 1 if eos is not None and eos in output_ids else len(output_ids)
+
+
+async def bench_engine(model, tokenizer, prompts, max_tokens: int, with_sync: bool) -> dict:
+    """Time the same prompts through `Engine.generate` directly and through the HTTP sampler."""
+    cfg = DeploymentConfig(max_batch_requests=len(prompts))
+    dep = await start_embedded_deployment(
+        copy.deepcopy(model), tokenizer, cfg, model_name="bench", sampling_timeout_s=3600
+    )
+    try:
+        await dep.sampler.sample(prompts[0], max_tokens=2)  # warm-up
+        out = {}
+        start = time.perf_counter()
+        results = await asyncio.gather(*[dep.engine.generate(p, max_tokens=max_tokens) for p in prompts])
+        out["engine"] = {"tokens": sum(len(c.output_ids) for (c,) in results), "seconds": time.perf_counter() - start}
+        start = time.perf_counter()
+        results = await asyncio.gather(*[dep.sampler.sample(p, max_tokens=max_tokens) for p in prompts])
+        out["http"] = {"tokens": sum(len(c.output_ids) for (c,) in results), "seconds": time.perf_counter() - start}
+        if with_sync:
+            state = model.state_dict()
+            out["in_process_sync"] = await dep.weight_sync.sync(state, 1)
+            with tempfile.TemporaryDirectory() as tmp:
+                out["disk_sync"] = await DiskWeightSync(dep.base_url, tmp).sync(state, 2)
+        return out
+    finally:
+        await dep.close()
+
+
+@torch.inference_mode()
+def bench_generate(model, tokenizer, prompts, max_tokens: int) -> dict:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad)
+    model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, **kwargs)  # warm-up
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, **kwargs)
+    seconds = time.perf_counter() - start
+    eos = tokenizer.eos_token_id
+    tokens = sum(useful_tokens(row[width:].tolist(), eos) for row in out)
+    return {"tokens": tokens, "seconds": seconds}
+
+
+def _seconds_per_token(m: dict) -> float:
+    return m["seconds"] / m["tokens"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="alias or local HF directory")
+    parser.add_argument("--requests", type=int, nargs="+", default=[64, 256], help="concurrent request counts")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=64, help="longest prompt; lengths uniform in [len/2, len]")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--repeats", type=int, default=1, help="alternate engine/generate runs; keep each one's best")
+    parser.add_argument("--no-sync", action="store_true", help="skip the weight-sync timing")
+    args = parser.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)
+    model.eval()
+    vocab = min(len(tokenizer), model.config.vocab_size)
+    print(f"model={args.model} device={model.device} dtype={model.dtype} threads={torch.get_num_threads()}")
+    report = []
+    for i, n in enumerate(args.requests):
+        prompts = make_prompts(n, args.prompt_len, vocab, seed=n)
+        runs, generate_runs = [], []
+        for r in range(args.repeats):  # alternating, so load from other processes hits all alike
+            with_sync = not args.no_sync and i == 0 and r == 0
+            runs.append(asyncio.run(bench_engine(model, tokenizer, prompts, args.max_tokens, with_sync)))
+            generate_runs.append(bench_generate(model, tokenizer, prompts, args.max_tokens))
+        best = {"generate": min(generate_runs, key=_seconds_per_token)}
+        for path in ("engine", "http"):
+            best[path] = min((run[path] for run in runs), key=_seconds_per_token)
+        tps = {path: m["tokens"] / m["seconds"] for path, m in best.items()}
+        row = {"requests": n, "max_tokens": args.max_tokens}
+        for path, m in best.items():
+            row[f"{path}_tokens"] = m["tokens"]
+            row[f"{path}_s"] = round(m["seconds"], 2)
+            row[f"{path}_tok_per_s"] = round(tps[path], 1)
+        row["engine_vs_generate"] = round(tps["engine"] / tps["generate"], 2)
+        row["http_vs_generate"] = round(tps["http"] / tps["generate"], 2)
+        print(
+            f"N={n:4d}  engine {tps['engine']:9.1f} tok/s  via HTTP {tps['http']:9.1f} tok/s  "
+            f"generate {tps['generate']:9.1f} tok/s  ratio engine/generate {row['engine_vs_generate']:.2f}x, "
+            f"HTTP/generate {row['http_vs_generate']:.2f}x"
+        )
+        for kind in ("in_process_sync", "disk_sync"):
+            if kind in runs[0]:
+                m = runs[0][kind]
+                row[kind + "_s"] = round(m["weight_sync_time"], 4)
+                print(f"  {kind}: {m['weight_sync_time'] * 1000:.1f} ms for {m['weight_sync_bytes'] / 2**20:.1f} MiB")
+        report.append(row)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""The engine's compute, free of threads and requests: a batched KV cache and per-row sampling.
+
+Layout (shapes: R row slots, B live rows, H key/value heads, C columns, L filled columns,
+D head dim, V vocabulary):
+
+    column:   0   1   2   3   4   5        every row ends at column L-1 ("right-aligned",
+    row 0:    .   .   p   p   o   o        padded on the left), so one decode step writes
+    row 1:    p   p   p   p   p   o        one new column for all rows at once.
+    row 2:    .   .   .   p   o   o        `.` = padding (attention mask 0)
+
+A row's positions count only its own tokens (position ids are explicit), so padding changes
+nothing but wasted attention columns. This is how `model.generate` lays out a left-padded
+batch, which is why greedy outputs match it.
+
+Each layer's keys/values live in buffers of shape (R, H, C, D) with spare rows and columns
+(`_SlotLayer`): a decode step writes one column in place (transformers' `DynamicLayer`
+instead re-concatenates the whole cache every step). Live rows are the first B slots.
+- New rows are prefilled on their own (left-padded among themselves) and copied into free
+  slots, right-aligned to column L (`insert`): only the new rows are written. A prompt
+  longer than L, or more rows than free slots, rebuilds the batch once (`gather`).
+- Finished rows are dropped by moving the last live rows into their slots (`remove`):
+  only the moved rows are copied, and the caller reorders its own row list the same way.
+- When every live row has a long stretch of padding on its left (the rows that needed
+  the width are gone), `maybe_trim` rebuilds the batch without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+# Columns added whenever a buffer runs out: large enough that growth is rare, small enough
+# that the spare columns cost little memory next to the live ones.
+_GROW_COLUMNS = 64
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer's keys/values: buffers (R, H, C, D) of which rows [:B] and columns [:L] are live.
+
+    `keys`/`values` are views of the live part, as transformers expects of a `DynamicLayer`;
+    `update` writes the new columns in place and returns the widened views.
+    """
+
+    def __init__(self, keys_buf: torch.Tensor | None, values_buf: torch.Tensor | None, rows: int, length: int):
+        super().__init__()
+        self.keys_buf = keys_buf
+        self.values_buf = values_buf
+        self.rows = rows
+        self.length = length
+        if keys_buf is not None:
+            self.dtype, self.device = keys_buf.dtype, keys_buf.device
+            self.is_initialized = True
+            self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        self.keys = self.keys_buf[: self.rows, :, : self.length]
+        self.values = self.values_buf[: self.rows, :, : self.length]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if self.keys_buf is None:
+            # A fresh layer (prefill): allocate from the first states' shape.
+            self.keys_buf = _with_spare(key_states, key_states.shape[0])
+            self.values_buf = _with_spare(value_states, value_states.shape[0])
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.is_initialized = True
+        elif end > self.keys_buf.shape[2]:
+            # Rare: `KVBatch.ensure_capacity` grows every buffer before a decode step.
+            self.grow_columns(end)
+        self.keys_buf[: self.rows, :, self.length : end] = key_states
+        self.values_buf[: self.rows, :, self.length : end] = value_states
+        self.length = end
+        self._refresh_views()
+        return self.keys, self.values
+
+    def grow_columns(self, min_columns: int) -> None:
+        columns = max(min_columns, self.keys_buf.shape[2]) + _GROW_COLUMNS
+        for name in ("keys_buf", "values_buf"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], old.shape[1], columns, old.shape[3])
+            new[: self.rows, :, : self.length] = old[: self.rows, :, : self.length]
+            setattr(self, name, new)
+        self._refresh_views()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        self.length = 0
+        self._refresh_views()
+
+
+def _with_spare(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A zeroed (rows, H, L + spare, D) buffer holding the (B <= rows, H, L, D) tensor `t` in its first rows."""
+    out = t.new_zeros(rows, t.shape[1], t.shape[2] + _GROW_COLUMNS, t.shape[3])
+    out[: t.shape[0], :, : t.shape[2]] = t
+    return out
+
+
+def _num_layers(model) -> int:
+    return model.config.get_text_config().num_hidden_layers
+
+
+class KVBatch:
+    """KV cache, attention mask and next positions of B right-aligned rows in R >= B slots."""
+
+    def __init__(
+        self, layers: list[_SlotLayer], mask_buf: torch.Tensor, next_pos: torch.Tensor, rows: int, length: int
+    ):
+        self.layers = layers
+        self.cache = Cache(layers=layers)
+        self.mask_buf = mask_buf  # (R, C) int64, 1 on real tokens
+        self.next_pos = next_pos  # (R,) int64: a row's next position id = its token count
+        self.rows = rows  # B
+        self.length = length  # L: filled columns, the same for every row
+
+    @property
+    def row_capacity(self) -> int:
+        return self.mask_buf.shape[0]
+
+    def _set_rows(self, rows: int) -> None:
+        self.rows = rows
+        for layer in self.layers:
+            layer.rows = rows
+            layer._refresh_views()
+
+    @classmethod
+    def prefill(cls, model, prompts_P: Sequence[Sequence[int]]) -> tuple[KVBatch, torch.Tensor]:
+        """Run the prompts through the model, left-padded; return the batch and last-token logits (P, V)."""
+        device = model.device
+        width = max(len(p) for p in prompts_P)
+        ids = torch.zeros(len(prompts_P), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts_P), width, dtype=torch.long)
+        for i, prompt in enumerate(prompts_P):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[i, width - len(prompt) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        # Pad positions get position 0; they are masked out, so the value only has to be valid.
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+        layers = [_SlotLayer(None, None, len(prompts_P), 0) for _ in range(_num_layers(model))]
+        batch = cls(layers, mask, mask.sum(-1), len(prompts_P), 0)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        # Pad columns never take part in attention, but a masked weight of 0 times a NaN value
+        # is still NaN, so make sure whatever attention produced at pad positions is finite.
+        pad = (mask == 0)[:, None, :, None]
+        for layer in layers:
+            layer.keys_buf[:, :, :width].masked_fill_(pad, 0.0)
+            layer.values_buf[:, :, :width].masked_fill_(pad, 0.0)
+        batch.length = width
+        batch.mask_buf = _pad_columns(mask, layers[0].keys_buf.shape[2])
+        return batch, out.logits[:, -1, :]
+
+    def ensure_capacity(self, columns: int) -> None:
+        """Grow every buffer so that `columns` columns fit (called before a decode step)."""
+        if columns <= self.mask_buf.shape[1]:
+            return
+        for layer in self.layers:
+            layer.grow_columns(columns)
+        self.mask_buf = _pad_columns(self.mask_buf, self.layers[0].keys_buf.shape[2])
+
+    def decode(self, model, tokens_B: torch.Tensor) -> torch.Tensor:
+        """Feed one token per live row; return next-token logits (B, V)."""
+        B, L = self.rows, self.length
+        self.ensure_capacity(L + 1)
+        self.mask_buf[:B, L] = 1
+        out = model(
+            input_ids=tokens_B[:, None],
+            attention_mask=self.mask_buf[:B, : L + 1],
+            position_ids=self.next_pos[:B, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.length = L + 1
+        self.next_pos[:B] += 1
+        return out.logits[:, -1, :]
+
+    def remove(self, dead: Sequence[int]) -> list[int]:
+        """Drop rows `dead` in place; returns, for each new row, the old row it holds.
+
+        The last live rows move into the holes, so only they are copied.
+        """
+        dead_set = set(dead)
+        B, L = self.rows, self.length
+        kept = B - len(dead_set)
+        holes = [i for i in sorted(dead_set) if i < kept]
+        movers = [j for j in range(kept, B) if j not in dead_set]
+        order = list(range(kept))
+        if holes:
+            h = torch.tensor(holes, device=self.mask_buf.device)
+            m = torch.tensor(movers, device=self.mask_buf.device)
+            for layer in self.layers:
+                layer.keys_buf[h, :, :L] = layer.keys_buf[m, :, :L]
+                layer.values_buf[h, :, :L] = layer.values_buf[m, :, :L]
+            self.mask_buf[h, :L] = self.mask_buf[m, :L]
+            self.next_pos[h] = self.next_pos[m]
+            for hole, mover in zip(holes, movers, strict=True):
+                order[hole] = mover
+        self._set_rows(kept)
+        return order
+
+    def insert(self, new: KVBatch, row_capacity: int = 0) -> KVBatch:
+        """Append `new`'s rows after the live rows; returns the batch holding them (self if they fit in place)."""
+        B, k, L = self.rows, new.rows, self.length
+        if B + k > self.row_capacity or new.length > L:
+            return KVBatch.gather([(self, None), (new, None)], row_capacity)
+        start = L - new.length
+        for la, lb in zip(self.layers, new.layers, strict=True):
+            for buf, live in ((la.keys_buf, lb.keys), (la.values_buf, lb.values)):
+                buf[B : B + k, :, :start] = 0  # finite filler under the mask (see `prefill`)
+                buf[B : B + k, :, start:L] = live
+        self.mask_buf[B : B + k, :start] = 0
+        self.mask_buf[B : B + k, start:L] = new.mask_buf[:k, : new.length]
+        self.next_pos[B : B + k] = new.next_pos[:k]
+        self._set_rows(B + k)
+        return self
+
+    def maybe_trim(self, row_capacity: int = 0) -> KVBatch:
+        """Rebuild without the left padding every live row has, once it is at least half the width."""
+        lead = self.length - int(self.next_pos[: self.rows].max())
+        if lead >= max(_GROW_COLUMNS, self.length // 2):
+            return KVBatch.gather([(self, None)], row_capacity)
+        return self
+
+    @staticmethod
+    def gather(parts: Sequence[tuple[KVBatch, Sequence[int] | None]], row_capacity: int = 0) -> KVBatch:
+        """A new batch of the listed rows of each part (None = all live rows; repeats allowed), in order.
+
+        The width is the longest selected row (shared left padding is dropped); rows are
+        allocated for max(selected rows, row_capacity).
+        """
+        device = parts[0][0].mask_buf.device
+        picks = []
+        for batch, rows in parts:
+            index = torch.arange(batch.rows, device=device) if rows is None else torch.as_tensor(rows, device=device)
+            picks.append((batch, index.long()))
+        total = sum(len(index) for _, index in picks)
+        width = max(int(batch.next_pos.index_select(0, index).max()) for batch, index in picks)
+        capacity = max(total, row_capacity)
+        # Where each part's rows go: destination rows, and its last w columns -> the last w columns.
+        moves, at = [], 0
+        for batch, index in picks:
+            w = min(width, batch.length)
+            moves.append((batch, index, slice(at, at + len(index)), slice(batch.length - w, batch.length), w))
+            at += len(index)
+        layers = []
+        for i, layer in enumerate(parts[0][0].layers):
+            shape = (capacity, layer.keys_buf.shape[1], width + _GROW_COLUMNS, layer.keys_buf.shape[3])
+            keys, values = layer.keys_buf.new_zeros(shape), layer.values_buf.new_zeros(shape)
+            for batch, index, dst, src, w in moves:
+                keys[dst, :, width - w : width] = batch.layers[i].keys_buf[:, :, src].index_select(0, index)
+                values[dst, :, width - w : width] = batch.layers[i].values_buf[:, :, src].index_select(0, index)
+            layers.append(_SlotLayer(keys, values, total, width))
+        mask = torch.zeros(capacity, width + _GROW_COLUMNS, dtype=torch.long, device=device)
+        next_pos = torch.zeros(capacity, dtype=torch.long, device=device)
+        for batch, index, dst, src, w in moves:
+            mask[dst, width - w : width] = batch.mask_buf[:, src].index_select(0, index)
+            next_pos[dst] = batch.next_pos.index_select(0, index)
+        return KVBatch(layers, mask, next_pos, total, width)
+
+
+def _pad_columns(mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    if mask.shape[1] >= capacity:
+        return mask
+    return torch.cat([mask, mask.new_zeros(mask.shape[0], capacity - mask.shape[1])], dim=1)
+
+
+@dataclass
+class SamplingParams_B:
+    """Per-row sampling parameters as tensors on the model's device."""
+
+    temperature: torch.Tensor  # (B,) float32; 0 = greedy
+    top_p: torch.Tensor  # (B,) float32 in (0, 1]
+    top_k: torch.Tensor  # (B,) int64; 0 = off
+    generators: list[torch.Generator | None]
+    """A seeded generator per row, or None to use the global RNG."""
+
+    @property
+    def any_truncation(self) -> bool:
+        return bool(((self.top_p < 1.0) | (self.top_k > 0)).any())
+
+
+def sample_next(logits_B_V: torch.Tensor, params: SamplingParams_B) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row and its logprob; returns (tokens (B,), logprobs (B,)).
+
+    The logprob is that of the distribution the token was drawn from:
+    - temperature T > 0, no truncation: log_softmax(logits / T), exactly what the trainer computes;
+    - top_p < 1 or top_k > 0: the truncated distribution renormalized (log_softmax over the kept
+      tokens of logits / T), which is what was sampled from but NOT what the trainer computes;
+    - greedy (T = 0): argmax, with log_softmax(logits) at T = 1.
+    """
+    logits = logits_B_V.float()
+    greedy = params.temperature == 0
+    temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    logp = torch.log_softmax(logits / temperature[:, None], dim=-1)  # (B, V)
+    if params.any_truncation:
+        keep = _truncation_keep(logp, params.top_p, params.top_k) | greedy[:, None]
+        logp = torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
+    if bool(greedy.all()):
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = logp.exp()
+        sampled = torch.multinomial(probs, 1).squeeze(1)
+        for row, generator in enumerate(params.generators):
+            if generator is not None:
+                sampled[row] = torch.multinomial(probs[row].cpu(), 1, generator=generator).item()
+        tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _truncation_keep(logp_B_V: torch.Tensor, top_p_B: torch.Tensor, top_k_B: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, V) mask of the tokens top-k and top-p keep (the most likely token always stays)."""
+    sorted_logp, order = logp_B_V.sort(dim=-1, descending=True)
+    rank = torch.arange(logp_B_V.shape[1], device=logp_B_V.device)[None, :]
+    k = torch.where(top_k_B > 0, top_k_B, torch.full_like(top_k_B, logp_B_V.shape[1]))
+    keep_sorted = rank < k[:, None]
+    # Keep a token if the mass strictly before it is below top_p (so the first always stays).
+    mass_before = sorted_logp.exp().cumsum(dim=-1) - sorted_logp.exp()
+    keep_sorted &= mass_before < top_p_B[:, None]
+    return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)

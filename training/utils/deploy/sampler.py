@@ -1,0 +1,211 @@
+"""Token-in/token-out HTTP client of a deployment: what rollouts call as `setup.sampler`.
+
+`await sampler.sample(prompt_ids, n, max_tokens=..., ...)` posts one `/v1/completions`
+request with a token-id prompt and returns `Completion`s (output ids, logprobs, finish
+reason, weight version per token). Everything that differs between servers (request
+extras, where token ids, logprobs and versions sit in the response) lives in a
+`_Protocol` here; only our embedded server's protocol exists today, and vLLM/SGLang
+become further entries of `PROTOCOLS`.
+
+Retries: connection errors, timeouts, 5xx, 408 and 429 are retried with exponential
+backoff, then `RecoverableDeploymentError` (the rollout's draw is dropped and counted);
+any other 4xx raises `DeploymentError` with the server's message (a bug to fix, not retry).
+Every attempt is bounded by the request's timeout plus a small allowance for the transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from training.utils.deploy.completion import Completion
+from training.utils.errors import DeploymentError, RecoverableDeploymentError
+
+RETRY_STATUSES = frozenset({408, 429})
+# Seconds added to a request's own timeout for the HTTP round trip: the server times out first
+# and says so, the client only when the server is unreachable or stalled.
+_TRANSPORT_SLACK_S = 10.0
+
+
+class _Protocol:
+    """Our embedded server's completion protocol (OpenAI + vLLM's `token_ids` + our `token_versions`)."""
+
+    name = "embedded"
+
+    def request_body(self, model: str, prompt_ids: list[int], n: int, sampling: dict[str, Any]) -> dict[str, Any]:
+        body = {
+            "model": model,
+            "prompt": prompt_ids,
+            "n": n,
+            "max_tokens": sampling["max_tokens"],
+            "temperature": sampling["temperature"],
+            "top_p": sampling["top_p"],
+            "top_k": sampling["top_k"],
+            "logprobs": 0,
+            "return_token_ids": True,
+            "timeout": sampling["timeout"],
+        }
+        for key in ("stop", "stop_token_ids", "seed"):
+            if sampling.get(key):
+                body[key] = sampling[key]
+        return body
+
+    def parse(self, data: dict[str, Any], prompt_ids: list[int]) -> list[Completion]:
+        try:
+            out = []
+            for choice in sorted(data["choices"], key=lambda c: c["index"]):
+                ids = [int(t) for t in choice["token_ids"]]
+                logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+                versions = [int(v) for v in choice.get("token_versions") or [-1] * len(ids)]
+                if not len(ids) == len(logprobs) == len(versions):
+                    raise ValueError(
+                        f"{len(ids)} token_ids, {len(logprobs)} token_logprobs, {len(versions)} token_versions"
+                    )
+                out.append(
+                    Completion(
+                        output_ids=ids,
+                        logprobs=logprobs,
+                        finish_reason=choice["finish_reason"],
+                        versions=versions,
+                        text=choice.get("text", ""),
+                        prompt_ids=list(prompt_ids),
+                    )
+                )
+            return out
+        except (KeyError, TypeError, ValueError) as e:
+            raise DeploymentError(f"malformed completion response ({e!r}): {json.dumps(data)[:300]}") from None
+
+
+PROTOCOLS: dict[str, _Protocol] = {"embedded": _Protocol()}
+
+
+class Sampler:
+    """Async client of one deployment; one aiohttp session, created inside the running loop."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model_name: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        max_retries: int = 3,
+        tokenizer=None,
+        backoff_s: float = 0.5,
+        protocol: str = "embedded",
+    ):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol={protocol!r} is not one of {sorted(PROTOCOLS)}")
+        self.base_url = base_url.rstrip("/")
+        self.model_name = model_name
+        self.api_key = api_key
+        self.timeout_s = float(timeout_s)
+        self.max_retries = int(max_retries)
+        self.tokenizer = tokenizer
+        """Only used to encode a text prompt passed to `sample`."""
+        self.backoff_s = float(backoff_s)
+        self.protocol = PROTOCOLS[protocol]
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            connector = aiohttp.TCPConnector(limit=1024)
+            self._session = aiohttp.ClientSession(headers=headers, connector=connector)
+            self._session_loop = loop
+        return self._session
+
+    async def sample(
+        self,
+        prompt_ids: Sequence[int] | str,
+        n: int = 1,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: str | Sequence[str] | None = None,
+        timeout: float | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> list[Completion]:
+        """Sample `n` completions of `prompt_ids` (a text prompt needs `tokenizer`)."""
+        if isinstance(prompt_ids, str):
+            if self.tokenizer is None:
+                raise ValueError("sample() got a text prompt but the Sampler has no tokenizer")
+            prompt_ids = self.tokenizer.encode(prompt_ids, add_special_tokens=False)
+        prompt_ids = [int(t) for t in prompt_ids]
+        timeout = self.timeout_s if timeout is None else float(timeout)
+        sampling = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "stop": [stop] if isinstance(stop, str) else list(stop or []),
+            "stop_token_ids": list(stop_token_ids or []),
+            "seed": seed,
+            "timeout": timeout,
+        }
+        body = self.protocol.request_body(self.model_name, prompt_ids, n, sampling)
+        data = await self._post_with_retries("/v1/completions", body, timeout + _TRANSPORT_SLACK_S)
+        completions = self.protocol.parse(data, prompt_ids)
+        if len(completions) != n:
+            raise DeploymentError(f"asked for n={n} completions, the server returned {len(completions)}")
+        return completions
+
+    async def _post_with_retries(self, path: str, body: dict, attempt_timeout: float) -> dict:
+        url = self.base_url + path
+        last = "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                async with self._get_session().post(
+                    url, json=body, timeout=aiohttp.ClientTimeout(total=attempt_timeout)
+                ) as resp:
+                    text = await resp.text()
+                    status = resp.status
+            except (aiohttp.ClientError, TimeoutError) as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            data = _loads(text)
+            if status == 200 and isinstance(data, dict):
+                return data
+            message = _error_message(data, text)
+            if status in RETRY_STATUSES or status >= 500 or status == 200:
+                last = f"HTTP {status}: {message}"
+                continue
+            raise DeploymentError(f"POST {url} was rejected with HTTP {status}: {message}")
+        raise RecoverableDeploymentError(
+            f"POST {url} failed after {self.max_retries + 1} attempts (max_retries={self.max_retries}); "
+            f"last error: {last}"
+        )
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _error_message(data: Any, text: str) -> str:
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            param = f" (param: {error['param']})" if error.get("param") else ""
+            return f"{error['message']}{param}"
+        if "message" in data:
+            return str(data["message"])
+    return text[:300]
