@@ -352,6 +352,7 @@ class Trainer:
         *,
         temperature: float = 1.0,
         extras: dict[str, list[Tensor | list[float]]] | None = None,
+        with_entropy: bool = False,
     ) -> dict[str, float]:
         """Accumulate the gradient of `loss_fn` summed over length-bucketed micro-batches.
 
@@ -359,7 +360,8 @@ class Trainer:
         normalise by `mb.num_tokens_total` or `mb.num_seqs_total` so that the micro-batch
         losses sum to the minibatch loss. Logprobs are computed only where `mb.weights` is
         non-zero and are 0 elsewhere (context and padding): no loss can use the rest.
-        Gradients accumulate across calls until `optim_step()`.
+        Gradients accumulate across calls until `optim_step()`. With `with_entropy`, the
+        per-token entropy of the same distribution (detached) is in `mb.extras["entropy"]`.
 
         Returns "loss" (the summed loss) and each metric of `loss_fn`: names ending in
         "_min"/"_max" take the min/max over micro-batches, others the mean weighted by each
@@ -375,7 +377,9 @@ class Trainer:
         totals = _MetricTotals()
         for indices in plan_microbatches([len(d) for d in datums], self.cfg.max_tokens_per_microbatch):
             batch = _collate(datums, indices, extras, trained_only=True).to(self.device)
-            logprobs_BT, _ = self._forward(batch, temperature, with_entropy=False)
+            logprobs_BT, entropy_BT = self._forward(batch, temperature, with_entropy=with_entropy)
+            if with_entropy:
+                batch.extras["entropy"] = entropy_BT.detach()
             micro = MicroBatch(
                 target_ids=batch.target_ids,
                 weights=batch.weights,

@@ -35,15 +35,26 @@ def policy_loss_params(cfg: RLConfig) -> dict[str, Any]:
     )
 
 
+def anchor_is_current_policy(cfg: RLConfig) -> bool:
+    """One PPO epoch of one minibatch: π_old is exactly the policy being differentiated.
+
+    Then the anchor needs no forward pass of its own: it is `sg(π)` of the training pass.
+    """
+    return cfg.anchor_logp == "old_policy" and cfg.ppo_epochs == 1 and cfg.ppo_minibatches == 1
+
+
 def make_loss_fn(cfg: RLConfig):
     """A `Trainer.forward_backward` loss over one micro-batch, normalised by the whole minibatch."""
     params = policy_loss_params(cfg)
 
     def loss_fn(logprobs: torch.Tensor, mb: MicroBatch):
-        return compute_policy_loss(
+        old_logprobs = mb.extras.get("old_logprobs")
+        if old_logprobs is None:
+            old_logprobs = logprobs.detach()
+        loss, metrics = compute_policy_loss(
             cfg.policy_loss,
             logprobs=logprobs,
-            old_logprobs=mb.extras["old_logprobs"],
+            old_logprobs=old_logprobs,
             advantages=mb.advantages,
             mask=mb.weights,
             rollout_logprobs=mb.behaviour_logprobs,
@@ -53,6 +64,11 @@ def make_loss_fn(cfg: RLConfig):
             num_seqs=mb.num_seqs_total,
             **params,
         )
+        # On a batch's first optimizer step π is the pre-update policy, so this is |π_old − μ|.
+        trained = mb.weights > 0
+        gap = torch.where(trained, (logprobs.detach() - mb.behaviour_logprobs).abs(), 0.0)
+        metrics["sampler_trainer_logprob_diff"] = gap.sum() / trained.sum().clamp(min=1)
+        return loss, metrics
 
     return loss_fn
 
@@ -60,23 +76,27 @@ def make_loss_fn(cfg: RLConfig):
 def anchor_and_reference(
     policy: Trainer, reference: Trainer | None, datums_D: list[Datum], cfg: RLConfig
 ) -> tuple[dict[str, list[torch.Tensor]], dict[str, float]]:
-    """Steps 1–2: reference logprobs (when kl_beta > 0) and the anchor π_old, with entropy.
+    """Steps 1–2: per-datum reference logprobs (when kl_beta > 0) and the anchor π_old with entropy.
 
-    Returns per-datum extras for the loss and the sampler/trainer logprob gap
-    `rollout/sampler_trainer_logprob_diff` = mean |π_old − μ| over trained tokens.
+    Also returns `rollout/sampler_trainer_logprob_diff` = mean |π_old − μ| over trained
+    tokens. When the anchor is the current policy (`anchor_is_current_policy`) the training
+    pass supplies π_old, entropy and that gap itself, and only the reference runs here.
     """
     temperature = cfg.sampling.temperature
-    trainer_lp_D, entropy_D = policy.logprobs(datums_D, temperature, with_entropy=True)
-    behaviour_D = [torch.tensor(d.behaviour_logprobs, dtype=torch.float32) for d in datums_D]
-    weights_D = [torch.tensor(d.weights, dtype=torch.float32) for d in datums_D]
-    anchor_D = trainer_lp_D if cfg.anchor_logp == "old_policy" else behaviour_D
-    extras = {"old_logprobs": anchor_D, "entropy": entropy_D}
+    extras: dict[str, list[torch.Tensor]] = {}
     if cfg.kl_beta > 0:
         if reference is None:
             raise ValueError("kl_beta > 0 needs a reference trainer")
         extras["ref_logprobs"] = reference.logprobs(datums_D, temperature)
-    gap_sum = sum(float(((lp - mu).abs() * w).sum()) for lp, mu, w in zip(trainer_lp_D, behaviour_D, weights_D))
-    n_tokens = sum(float(w.sum()) for w in weights_D)
+    if anchor_is_current_policy(cfg):
+        return extras, {}
+    trainer_lp_D, entropy_D = policy.logprobs(datums_D, temperature, with_entropy=True)
+    behaviour_D = [torch.tensor(d.behaviour_logprobs, dtype=torch.float32) for d in datums_D]
+    extras["old_logprobs"] = trainer_lp_D if cfg.anchor_logp == "old_policy" else behaviour_D
+    extras["entropy"] = entropy_D
+    gap_sum = sum(float(torch.where(torch.tensor(d.weights) > 0, (lp - mu).abs(), 0.0).sum())
+                  for d, lp, mu in zip(datums_D, trainer_lp_D, behaviour_D))
+    n_tokens = sum(sum(d.weights) for d in datums_D)
     return extras, {"rollout/sampler_trainer_logprob_diff": gap_sum / max(n_tokens, 1.0)}
 
 
@@ -97,12 +117,16 @@ def ppo_update(
             minibatch = [datums_D[i] for i in indices]
             minibatch_extras = {k: [v[i] for i in indices] for k, v in extras.items()}
             metrics = policy.forward_backward(
-                minibatch, loss_fn, temperature=cfg.sampling.temperature, extras=minibatch_extras
+                minibatch, loss_fn, temperature=cfg.sampling.temperature, extras=minibatch_extras,
+                with_entropy="entropy" not in extras,
             )
             metrics.update(policy.optim_step())
             for k, v in metrics.items():
                 per_step[k].append(v)
-    return {f"train/{k}": _reduce(k, v) for k, v in per_step.items()} | {
+    # Without a separate anchor pass, the first step's training pass measured the gap.
+    gap_first_step = per_step.pop("sampler_trainer_logprob_diff")[0]
+    gap = {} if "old_logprobs" in extras else {"rollout/sampler_trainer_logprob_diff": gap_first_step}
+    return gap | {f"train/{k}": _reduce(k, v) for k, v in per_step.items()} | {
         "train/optimizer_steps": float(len(per_step.get("lr", []))),
         "train/skipped_steps_total": float(policy.skipped_steps),
     }

@@ -1,0 +1,39 @@
+"""GRPO on single-digit addition with SmolLM2-135M-Instruct, on a laptop CPU.
+
+    python training/examples/rl/single_turn_token_in/train.py
+"""
+
+import json
+from pathlib import Path
+
+from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn
+from training.recipes.rl_loop import Config, main
+from training.utils.config import SamplingConfig, TrainerConfig
+from training.utils.rl.evaluation import rollout_evaluation
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def read_rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (DATA / name).read_text().splitlines() if line.strip()]
+
+
+cfg = Config(
+    model="smollm2-135m-instruct",
+    policy_loss="grpo",
+    completions_per_prompt=8,
+    prompt_groups_per_step=8,
+    max_steps=20,
+    trainer=TrainerConfig(learning_rate=2e-5),
+    sampling=SamplingConfig(max_tokens=16, temperature=1.0),
+    log_path="runs/single_turn_token_in",
+)
+
+if __name__ == "__main__":
+    summary = main(
+        cfg,
+        rollout_fn_factory=make_rollout_fn,
+        rows=read_rows("train.jsonl"),
+        evaluation_fn=rollout_evaluation(make_rollout_fn, read_rows("eval.jsonl"), samples_per_row=2),
+    )
+    print(json.dumps({k: summary[k] for k in ("steps", "ledger", "plots")}, indent=1))
