@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import inspect
 import logging
-import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,14 +33,14 @@ import torch
 from pydantic import Field
 
 from training.utils.config import RLConfig
-from training.utils.deploy import EmbeddedDeployment, start_embedded_deployment
+from training.utils.deploy import start_embedded_deployment
 from training.utils.errors import CircuitBreakerError
 from training.utils.logging import RunLogger
-from training.utils.model import load_model_and_tokenizer
 from training.utils.rl.dataset import RowCursor, RowItem
 from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
 from training.utils.rl.rollout.invoke import context_params, gather_or_cancel, run_draw
 from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
+from training.utils.rl.setup import make_rollout_setup, maybe_evaluate, setup_trainers
 from training.utils.rl.train_step import anchor_and_reference, ppo_update
 from training.utils.trainer import Trainer
 
@@ -147,31 +145,6 @@ async def run(
     }
 
 
-def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Trainer | None, Any]:
-    """The policy trainer and, when kl_beta > 0, a frozen reference copy of the initial policy."""
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
-    trainer_cfg = cfg.trainer
-    if trainer_cfg.total_steps is None:
-        optimizer_steps = total_steps * cfg.ppo_epochs * cfg.ppo_minibatches
-        trainer_cfg = trainer_cfg.model_copy(update={"total_steps": optimizer_steps})
-    reference = Trainer(copy.deepcopy(model), trainer_cfg, trainable=False) if cfg.kl_beta > 0 else None
-    return Trainer(model, trainer_cfg), reference, tokenizer
-
-
-def make_rollout_setup(cfg: RLConfig, tokenizer, deployment: EmbeddedDeployment, extras) -> RolloutSetup:
-    s = cfg.sampling
-    return RolloutSetup(
-        tokenizer=tokenizer,
-        sampler=deployment.sampler,
-        sample_kwargs=dict(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                           top_k=s.top_k, stop=list(s.stop), timeout=s.timeout_s),
-        inference_base_url=deployment.base_url,
-        model_name=cfg.model,
-        completions_per_prompt=cfg.completions_per_prompt,
-        extras=dict(extras or {}),
-    )
-
-
 async def sample_batch(
     items_P: list[RowItem], rollout_fn, context_keys, cfg: RLConfig, *, vocab_size: int, version: int
 ) -> list[SettledRow]:
@@ -236,17 +209,3 @@ def check_empty_batch(empty_batches: int, settled_P: list[SettledRow], cfg: Conf
             "Rollouts keep failing or every group is filtered out."
         )
     return empty_batches
-
-
-async def maybe_evaluate(evaluation_fn, setup: RolloutSetup, step: int, logger: RunLogger | None) -> dict[str, float]:
-    """Run `evaluation_fn(setup, step)` (sync or async); its metrics are logged under `eval/`."""
-    if evaluation_fn is None:
-        return {}
-    result = evaluation_fn(setup, step)
-    if inspect.isawaitable(result):
-        result = await result
-    metrics = {k if k.startswith("eval/") else f"eval/{k}": float(v) for k, v in (result or {}).items()
-               if isinstance(v, (int, float)) and math.isfinite(v)}
-    if logger is not None:
-        logger.log(step, metrics)
-    return metrics

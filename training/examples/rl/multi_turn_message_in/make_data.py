@@ -1,0 +1,112 @@
+"""Write procedurally generated multi-step arithmetic word problems to data/{train,eval}.jsonl.
+
+Each row: {"id", "messages": [two worked examples as earlier chat turns, then the problem with
+the \\boxed{} instruction], "answer"}. Every problem takes two operations on numbers below 10
+and has a whole-number answer: SmolLM2-135M-Instruct gets few right at first (see README), so
+there is room to learn. The same seed writes the same files.
+
+    python training/examples/rl/multi_turn_message_in/make_data.py [--train 512 --eval 64 --seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+DATA_DIR = Path(__file__).parent / "data"
+INSTRUCTION = "Put the final answer within \\boxed{}."
+# Two solved problems as earlier chat turns: without them SmolLM2-135M-Instruct rarely boxes an
+# answer and rambles past any small max_tokens; with them most replies are short and boxed.
+WORKED_EXAMPLES = [
+    {"role": "user", "content": "Tom has 4 pens. He buys 3 more pens and then gives 2 pens to a friend. "
+                                f"How many pens does Tom have now?\n{INSTRUCTION}"},
+    {"role": "assistant", "content": "Tom has 4 + 3 = 7 pens. Then 7 - 2 = 5.\n\\boxed{5}"},
+    {"role": "user", "content": "Mia buys 3 bags with 2 cards in each bag, and then finds 4 more cards. "
+                                f"How many cards does Mia have now?\n{INSTRUCTION}"},
+    {"role": "assistant", "content": "Mia buys 3 * 2 = 6 cards. Then 6 + 4 = 10.\n\\boxed{10}"},
+]
+
+NAMES = ["Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jack", "Kim", "Leo", "Maya", "Noor"]
+ITEMS = ["apples", "marbles", "stickers", "cookies", "pencils", "books", "shells", "cards", "stamps", "balloons"]
+
+
+def gain_then_loss(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    start, bought = rng.randint(2, 9), rng.randint(2, 9)
+    lost = rng.randint(1, min(5, start + bought - 1))
+    question = (f"{name} has {start} {item}. {name} buys {bought} more {item} and then gives {lost} "
+                f"{item} to a friend. How many {item} does {name} have now?")
+    return question, start + bought - lost
+
+
+def two_gains(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    start, first, second = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 9)
+    question = (f"{name} has {start} {item}. A friend gives {name} {first} {item}, and then {name} finds "
+                f"{second} more {item}. How many {item} does {name} have now?")
+    return question, start + first + second
+
+
+def packs_plus_loose(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    packs, per_pack, loose = rng.randint(2, 4), rng.randint(2, 5), rng.randint(2, 6)
+    question = (f"{name} buys {packs} bags with {per_pack} {item} in each bag, and then finds "
+                f"{loose} more {item}. How many {item} does {name} have now?")
+    return question, packs * per_pack + loose
+
+
+# Measured first-turn accuracy of SmolLM2-135M-Instruct (temperature 0.7, max_tokens 48, 32 draws each):
+# gain_then_loss 0.09, two_gains 0.03, packs_plus_loose 0.25. Word problems about wages or equal
+# shares scored 0.00 and were left out: a group whose draws all score 0 teaches nothing.
+PROBLEM_KINDS = [gain_then_loss, two_gains, packs_plus_loose]
+
+
+def make_rows(count: int, seed: int, split: str) -> list[dict]:
+    rng = random.Random(f"{split}-{seed}")
+    rows = []
+    for i in range(count):
+        question, answer = rng.choice(PROBLEM_KINDS)(rng)
+        rows.append({
+            "id": f"arith-{split}-{i}",
+            "messages": WORKED_EXAMPLES + [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}],
+            "answer": str(answer),
+        })
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_split(split: str) -> list[dict]:
+    """Rows of data/{split}.jsonl ("train" or "eval"), writing the default files first if they are missing."""
+    path = DATA_DIR / f"{split}.jsonl"
+    if not path.is_file():
+        write_default_files()
+    return read_jsonl(path)
+
+
+def write_default_files(train_rows: int = 512, eval_rows: int = 64, seed: int = 0) -> None:
+    write_jsonl(DATA_DIR / "train.jsonl", make_rows(train_rows, seed, "train"))
+    write_jsonl(DATA_DIR / "eval.jsonl", make_rows(eval_rows, seed, "eval"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--train", type=int, default=512, help="training rows")
+    parser.add_argument("--eval", type=int, default=64, help="held-out rows")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    write_default_files(args.train, args.eval, args.seed)
+    print(f"wrote {args.train} train and {args.eval} eval rows to {DATA_DIR}")
+
+
+if __name__ == "__main__":
+    main()
