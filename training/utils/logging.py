@@ -50,9 +50,14 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ledger_path = self.run_dir / LEDGER_NAME
         self._ledger = self.ledger_path.open("a", buffering=1)
+        if self._ledger.tell() > 0 and not _ends_with_newline(self.ledger_path):
+            # A resumed run appends to the ledger of a process that was killed mid-line:
+            # end that torn line so it cannot swallow the first new record.
+            self._ledger.write("\n")
         self.total_steps = total_steps
         self.progress = progress
         self._start = time.monotonic()
+        self._streams: dict[str, int] = {}
         self._wandb = _start_wandb(wandb_project, self.run_dir, config) if wandb_project else None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -64,6 +69,28 @@ class RunLogger:
         if self._wandb is not None:
             try:
                 self._wandb.log({k: v for k, v in metrics.items() if _finite(v)}, step=step)
+            except Exception as exc:  # W&B must never fail the run
+                log.warning("W&B logging failed (%s); continuing without W&B", exc)
+                self._wandb = None
+
+    def log_stream(self, axis: str, metrics: dict[str, Any]) -> None:
+        """A record on its own axis instead of the step (e.g. `producer/event` for producer gauges).
+
+        The axis counts 0, 1, 2, … per name; the record carries no `step`, so step-indexed
+        readers (plots, progress) skip it. W&B plots the axis's family against it.
+        """
+        index = self._streams.get(axis, 0)
+        self._streams[axis] = index + 1
+        record = {axis: index, "time": round(time.monotonic() - self._start, 3)}
+        record.update({k: (float(v) if _finite(v) else None) for k, v in metrics.items()})
+        self._ledger.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            try:
+                if index == 0:
+                    family = axis.split("/")[0]
+                    self._wandb.define_metric(axis)
+                    self._wandb.define_metric(f"{family}/*", step_metric=axis)
+                self._wandb.log({k: v for k, v in record.items() if _finite(v) and k != "time"}, commit=False)
             except Exception as exc:  # W&B must never fail the run
                 log.warning("W&B logging failed (%s); continuing without W&B", exc)
                 self._wandb = None
@@ -102,8 +129,22 @@ def progress_line(step: int, total_steps: int | None, metrics: dict[str, Any]) -
 
 
 def read_ledger(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of a ledger, skipping a line torn by a killed process."""
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                if line.strip():
+                    log.warning("skipping a torn line in %s: %.80s", path, line)
+    return records
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def plot_ledger(ledger_path: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
@@ -117,7 +158,7 @@ def plot_ledger(ledger_path: str | os.PathLike, out_dir: str | os.PathLike) -> l
     import matplotlib.pyplot as plt
 
     def series(name):
-        points = [(r["step"], r[name]) for r in records if _finite(r.get(name))]
+        points = [(r["step"], r[name]) for r in records if "step" in r and _finite(r.get(name))]
         return ([s for s, _ in points], [v for _, v in points]) if points else None
 
     out_dir = Path(out_dir)
@@ -172,3 +213,100 @@ def _start_wandb(project: str, run_dir: Path, config: dict[str, Any] | None):
     except Exception as exc:
         log.warning("W&B could not start (%s); metrics stay in the JSONL ledger", exc)
         return None
+
+
+# ---------------------------------------------------------------------------------------
+# Run health: the runbook's red flags (DESIGN.md §8).
+
+
+class RunHealth:
+    """Checks each step's metrics against the red flags; warns once per flag with the lever to pull.
+
+    A flag that needs a trend (`patience` consecutive steps, or a window of rewards) only fires
+    once the trend holds, so one noisy step does not raise it. `summary()` lists every flag
+    raised, the step it first fired and how many steps it held.
+    """
+
+    LEVERS = {
+        "entropy_collapse": "policy entropy collapsed: lower trainer.learning_rate, raise sampling.temperature, "
+                            "or add kl_beta",
+        "reward_zero_std": "most groups have identical rewards, so their advantages are 0 and they teach nothing: "
+                           "make the task easier or harder, raise completions_per_prompt, or drop such groups "
+                           "with dynamic_filter_fn",
+        "clipfrac_high": "more than 30% of tokens hit the PPO clip: lower trainer.learning_rate or ppo_epochs, "
+                         "or raise ppo_minibatches",
+        "ratio_far_from_1": "the importance ratio is far from 1 (the policy moved a lot within a batch): lower "
+                            "trainer.learning_rate or ppo_epochs",
+        "sampler_trainer_gap": "sampler and trainer logprobs disagree (mean |π_old − μ| > 0.1 nats): lower "
+                               "max_head_offpolicy_versions, set tis, and keep sampling.top_p=1, top_k=0",
+        "length_capped": "most responses stop at the length cap: raise sampling.max_tokens or penalise overlong "
+                         "responses in the reward",
+        "reward_flat": "the reward has not moved over the last 10 steps: check the reward function and "
+                       "frac_reward_zero_std, or raise trainer.learning_rate",
+        "trainer_idle": "the trainer waits for rollouts more than half the time: raise "
+                        "max_head_offpolicy_versions, max_concurrency_rollout_sample or pipeline_chunks_per_step, "
+                        "or make rollouts faster",
+        "nonfinite_steps": "optimizer steps were skipped for a non-finite gradient: lower trainer.learning_rate "
+                           "and check the scale of rewards",
+    }
+
+    def __init__(self, *, patience: int = 3, reward_window: int = 10):
+        self.patience = patience
+        self.reward_window = reward_window
+        self.first_step: dict[str, int] = {}
+        self.steps_held: dict[str, int] = {}
+        self._streak: dict[str, int] = {}
+        self._rewards: list[float] = []
+        self._first_entropy: float | None = None
+        self._skipped = 0.0
+
+    def check(self, step: int, metrics: dict[str, Any]) -> list[str]:
+        """Evaluate every flag on this step's metrics; returns the flags that fired for the first time."""
+        m = {k: v for k, v in metrics.items() if _finite(v)}
+        if "train/entropy" in m and self._first_entropy is None:
+            self._first_entropy = m["train/entropy"]
+        if "rollout/raw_reward" in m:
+            self._rewards.append(m["rollout/raw_reward"])
+        recent = self._rewards[-self.reward_window:]
+        conditions = {
+            "entropy_collapse": "train/entropy" in m and self._first_entropy is not None
+            and m["train/entropy"] < 0.1 * self._first_entropy,
+            "reward_zero_std": m.get("rollout/frac_reward_zero_std", 0.0) >= 0.9,
+            "clipfrac_high": m.get("train/pg_clipfrac", 0.0) > 0.3,
+            "ratio_far_from_1": "train/ratio_mean" in m
+            and (abs(m["train/ratio_mean"] - 1.0) > 0.2 or m.get("train/ratio_max", 1.0) > 10.0),
+            "sampler_trainer_gap": m.get("rollout/sampler_trainer_logprob_diff", 0.0) > 0.1,
+            "length_capped": m.get("rollout/truncated_frac", 0.0) > 0.5,
+            "reward_flat": len(recent) == self.reward_window and max(recent) - min(recent) < 1e-3,
+            "trainer_idle": m.get("perf/trainer_idle_frac", 0.0) > 0.5,
+            "nonfinite_steps": m.get("train/skipped_steps_total", self._skipped) > self._skipped,
+        }
+        self._skipped = m.get("train/skipped_steps_total", self._skipped)
+        # Trends need `patience` steps in a row; the rest are decisive at once.
+        needs_patience = {"reward_zero_std", "length_capped", "trainer_idle", "sampler_trainer_gap"}
+        fired = []
+        for name, holds in conditions.items():
+            self._streak[name] = self._streak.get(name, 0) + 1 if holds else 0
+            if not holds or self._streak[name] < (self.patience if name in needs_patience else 1):
+                continue
+            self.steps_held[name] = self.steps_held.get(name, 0) + 1
+            if name not in self.first_step:
+                self.first_step[name] = step
+                fired.append(name)
+                log.warning("run health, step %d: %s", step, self.LEVERS[name])
+        return fired
+
+    def summary(self) -> dict[str, Any]:
+        """Flags raised in the run: first step, steps held, and the lever."""
+        return {
+            name: {"first_step": self.first_step[name], "steps": self.steps_held[name], "lever": self.LEVERS[name]}
+            for name in self.first_step
+        }
+
+    def summary_text(self) -> str:
+        if not self.first_step:
+            return "run health: no red flags"
+        lines = [f"run health: {len(self.first_step)} red flag(s)"]
+        for name, info in self.summary().items():
+            lines.append(f"  {name} (from step {info['first_step']}, {info['steps']} steps): {info['lever']}")
+        return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""Per-step async metrics (DESIGN.md §5 names): version offsets and the time breakdown.
+
+`async/version_offset_*`: per trained group, the version the optimizer step started from
+minus the version the row was submitted on (how many publications it missed).
+`async/token_version_offset_*`: the same per trained token, from the versions the sampler
+reported (a request that spans a weight sync has tokens of two versions).
+
+`perf/*` of one step, all in seconds except the rates:
+- `step_time`: previous publication → this publication;
+- `train_time`: the trainer thread's busy time in the step (forwards, backwards, optimizer);
+- `rollout_wait_time`: the trainer waiting for rows (nothing to train);
+- `weight_sync_time`: pushing the weights to the deployment;
+- `trainer_idle_frac`: 1 − train_time / step_time;
+- `samples_per_s`: trained runs / step_time; `train_tokens_per_s`: trained tokens / train_time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from training.utils.rl.rollout.types import PromptGroup
+
+
+def version_offset_metrics(groups: list[PromptGroup], trained_against_version: int) -> dict[str, float]:
+    offsets = [trained_against_version - g.submit_version for g in groups]
+    metrics = {
+        "async/version_offset_mean": float(np.mean(offsets)),
+        "async/version_offset_max": float(max(offsets)),
+        "async/version_offset_min": float(min(offsets)),
+        "async/trained_against_version": float(trained_against_version),
+    }
+    token_offsets = [
+        trained_against_version - v
+        for g in groups for d in g.datums if d.versions is not None
+        for v, w in zip(d.versions, d.weights) if w > 0 and v >= 0
+    ]
+    if token_offsets:
+        metrics["async/token_version_offset_mean"] = float(np.mean(token_offsets))
+        metrics["async/token_version_offset_max"] = float(max(token_offsets))
+    return metrics
+
+
+def perf_metrics(
+    *, step_time: float, train_time: float, rollout_wait_time: float, weight_sync_time: float,
+    samples: int, tokens: int,
+) -> dict[str, float]:
+    return {
+        "perf/step_time": step_time,
+        "perf/train_time": train_time,
+        "perf/rollout_wait_time": rollout_wait_time,
+        "perf/weight_sync_time": weight_sync_time,
+        "perf/trainer_idle_frac": max(0.0, 1.0 - train_time / step_time) if step_time > 0 else 0.0,
+        "perf/samples_per_s": samples / step_time if step_time > 0 else 0.0,
+        "perf/train_tokens_per_s": tokens / train_time if train_time > 0 else 0.0,
+    }
