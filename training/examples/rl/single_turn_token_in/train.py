@@ -23,9 +23,9 @@ cfg = Config(
     policy_loss="grpo",
     completions_per_prompt=8,
     prompt_groups_per_step=8,
-    max_steps=20,
+    max_steps=16,
     trainer=TrainerConfig(learning_rate=2e-5),
-    sampling=SamplingConfig(max_tokens=16, temperature=1.0),
+    sampling=SamplingConfig(max_tokens=12, temperature=1.0),
     log_path="runs/single_turn_token_in",
 )
 
