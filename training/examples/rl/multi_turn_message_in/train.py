@@ -14,7 +14,7 @@ from training.utils.rl.evaluation import rollout_evaluation
 rollout_extras = {"max_turns": 2}
 cfg = Config(
     model="smollm2-135m-instruct", completions_per_prompt=8, prompt_groups_per_step=2, max_steps=12,
-    sampling=SamplingConfig(max_tokens=64, temperature=1.0), trainer=TrainerConfig(learning_rate=2e-5),
+    sampling=SamplingConfig(max_tokens=64, temperature=1.0), trainer=TrainerConfig(learning_rate=3e-5),
     log_path="runs/multi_turn_message_in",
 )
 

@@ -1,13 +1,16 @@
 """GRPO on single-digit addition with SmolLM2-135M-Instruct, on a laptop CPU.
 
     python training/examples/rl/single_turn_token_in/train.py
+
+Runs the async recipe; for the synchronous baseline import from `training.recipes.rl_loop`
+instead (drop the async-only field `max_head_offpolicy_versions`).
 """
 
 import json
 from pathlib import Path
 
 from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn
-from training.recipes.rl_loop import Config, main
+from training.recipes.async_rl_loop import Config, main
 from training.utils.config import SamplingConfig, TrainerConfig
 from training.utils.rl.evaluation import rollout_evaluation
 
@@ -24,6 +27,7 @@ cfg = Config(
     completions_per_prompt=8,
     prompt_groups_per_step=8,
     max_steps=16,
+    max_head_offpolicy_versions=1,
     trainer=TrainerConfig(learning_rate=2e-5),
     sampling=SamplingConfig(max_tokens=12, temperature=1.0),
     log_path="runs/single_turn_token_in",
@@ -35,5 +39,6 @@ if __name__ == "__main__":
         rollout_fn_factory=make_rollout_fn,
         rows=read_rows("train.jsonl"),
         evaluation_fn=rollout_evaluation(make_rollout_fn, read_rows("eval.jsonl"), samples_per_row=2),
+        evaluation_interval=0,
     )
     print(json.dumps({k: summary[k] for k in ("steps", "ledger", "plots")}, indent=1))
