@@ -22,7 +22,7 @@ def test_example_config_trains_two_small_steps(tmp_path):
 
     cfg = train.cfg.model_copy(update=dict(
         prompt_groups_per_step=2, completions_per_prompt=2, max_steps=2, log_path=str(tmp_path / "run"),
-        progress=False,
+        progress=False, max_head_offpolicy_versions=0,
     ))
     rows = train.read_rows("train.jsonl")[:8]
     summary = main(cfg, rollout_fn_factory=train.make_rollout_fn, rows=rows)
@@ -30,7 +30,7 @@ def test_example_config_trains_two_small_steps(tmp_path):
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert 0.0 <= r["rollout/raw_reward"] <= 1.0
-        # Sampler and trainer score the same tokens with the same weights.
+        # On-policy (O=0): sampler and trainer score the same tokens with the same weights.
         assert r["rollout/sampler_trainer_logprob_diff"] < 1e-3
 
 
