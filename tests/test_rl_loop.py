@@ -1,6 +1,5 @@
 """The synchronous recipe end to end on a tiny model, with scripted and real-sampling rollouts."""
 
-import json
 import math
 
 import pytest

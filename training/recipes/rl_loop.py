@@ -36,6 +36,7 @@ from training.utils.config import RLConfig
 from training.utils.deploy import start_embedded_deployment
 from training.utils.errors import CircuitBreakerError
 from training.utils.logging import RunLogger
+from training.utils.rl.async_rl.telemetry import perf_metrics
 from training.utils.rl.dataset import RowCursor, RowItem
 from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
 from training.utils.rl.rollout.invoke import context_params, gather_or_cancel, run_draw
@@ -123,7 +124,11 @@ async def run(
                 metrics |= await deployment.weight_sync.sync(policy.state_dict_for_inference(), step)
             t_synced = time.monotonic()
             # 5. Metrics.
-            metrics |= perf_metrics(groups, t_step, t_sampled, t_trained, t_synced)
+            metrics |= perf_metrics(
+                step_time=t_synced - t_step, train_time=t_trained - t_sampled, rollout_wait_time=t_sampled - t_step,
+                weight_sync_time=t_synced - t_trained, samples=sum(len(g.runs_G) for g in groups),
+                tokens=sum(len(d) for g in groups for d in g.datums),
+            )
             metrics["async/version"] = float(deployment.version)
             if cfg.eval_interval and step % cfg.eval_interval == 0 and step != total_steps:
                 metrics |= await maybe_evaluate(evaluation_fn, setup, step, None)
@@ -181,21 +186,6 @@ def train_on_groups(policy: Trainer, reference: Trainer | None, groups: list[Pro
     datums_D = [d for g in groups for d in g.datums]
     extras, gap_metrics = anchor_and_reference(policy, reference, datums_D, cfg)
     return gap_metrics | ppo_update(policy, datums_D, extras, cfg, rng)
-
-
-def perf_metrics(groups, t_step, t_sampled, t_trained, t_synced) -> dict[str, float]:
-    n_samples = sum(len(g.runs_G) for g in groups)
-    n_tokens = sum(len(d) for g in groups for d in g.datums)
-    step_time = t_synced - t_step
-    return {
-        "perf/step_time": step_time,
-        "perf/rollout_wait_time": t_sampled - t_step,
-        "perf/train_time": t_trained - t_sampled,
-        "perf/weight_sync_time": t_synced - t_trained,
-        "perf/trainer_idle_frac": (step_time - (t_trained - t_sampled)) / step_time if step_time > 0 else 0.0,
-        "perf/samples_per_s": n_samples / step_time if step_time > 0 else 0.0,
-        "perf/train_tokens_per_s": n_tokens / (t_trained - t_sampled) if t_trained > t_sampled else 0.0,
-    }
 
 
 def check_empty_batch(empty_batches: int, settled_P: list[SettledRow], cfg: Config) -> int:

@@ -30,15 +30,14 @@ def make_rollout_fn(setup: RolloutSetup):
     async def rollout_fn(row: dict) -> RolloutSample:
         assembler = ChatAssembler(setup.tokenizer)
         messages = list(row["messages"])
-        for turn in range(max_turns):
-            if turn:
-                messages += [reply, RETRY_MESSAGE]
+        for _ in range(max_turns):
             prompt_ids = assembler.prompt_ids(messages)
             (completion,) = await setup.sampler.sample(prompt_ids, n=1, **setup.sample_kwargs)
             reply = assembler.add_completion(completion)
             reward = answer_reward(reply["content"], row["answer"])
             if reward == 1.0:
                 break
+            messages += [reply, RETRY_MESSAGE]
         return assembler.to_sample(reward)
 
     return rollout_fn
