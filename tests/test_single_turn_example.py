@@ -1,6 +1,5 @@
 """The single_turn_token_in example through its own config and entry point, on SmolLM2."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -43,4 +42,3 @@ def test_default_run_raises_reward_by_at_least_0_3(tmp_path):
     evals = [r["eval/reward"] for r in records if "eval/reward" in r]
     assert sum(rewards[-5:]) / 5 >= evals[0] + 0.3, (rewards, evals)
     assert (tmp_path / "runs" / "single_turn_token_in" / "reward.png").is_file()
-    assert json.dumps(records)  # the ledger is plain JSON

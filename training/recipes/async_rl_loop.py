@@ -105,8 +105,6 @@ class Config(RLConfig):
     """Checkpoints kept under `log_path/checkpoints`; older ones are deleted."""
     init_from_checkpoint: str | None = None
     """Resume from this checkpoint directory; None resumes from the newest one in `log_path`, if any."""
-    output_dir: str | None = None
-    """Export the final policy here as a Hugging Face directory (safetensors + tokenizer)."""
     dataset_path: str | None = None
     """JSONL file of dataset rows, read when `main()` gets no `rows`."""
     producer_metrics_interval_s: float = Field(10.0, gt=0)

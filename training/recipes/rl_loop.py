@@ -49,12 +49,10 @@ log = logging.getLogger("training.rl_loop")
 
 
 class Config(RLConfig):
-    """The synchronous recipe has the shared fields only, plus evaluation and export."""
+    """The synchronous recipe has the shared fields only, plus evaluation and a stop for empty batches."""
 
     eval_interval: int = Field(0, ge=0)
     """Call `evaluation_fn` every this many steps; it always runs before the first and after the last step."""
-    output_dir: str | None = None
-    """Export the final policy here as a Hugging Face directory (safetensors + tokenizer)."""
     max_consecutive_empty_batches: int = Field(3, ge=1)
     """Stop with an error after this many batches in a row produce no trainable group (rollouts keep failing)."""
 

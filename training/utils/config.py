@@ -131,6 +131,8 @@ class RLConfig(StrictModel):
     """Run directory: metrics ledger (metrics.jsonl), plots and exports go here."""
     seed: int = 0
     """Seeds torch, the dataset shuffle and the minibatch permutation."""
+    output_dir: str | None = None
+    """Export the final policy here as a Hugging Face directory (safetensors + tokenizer)."""
 
     # -- loss --------------------------------------------------------------------------
     eps_clip: float = Field(0.2, gt=0)

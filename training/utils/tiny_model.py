@@ -49,7 +49,7 @@ def make_test_tokenizer():
     return tokenizer
 
 
-def tiny_config(vocab_size: int = 260, *, hidden_size: int = 64, num_layers: int = 2, seed_heads: int = 4):
+def tiny_config(vocab_size: int = 260, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4):
     """A Llama config small enough to train in milliseconds on a CPU."""
     from transformers import LlamaConfig
 
@@ -58,8 +58,8 @@ def tiny_config(vocab_size: int = 260, *, hidden_size: int = 64, num_layers: int
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,
-        num_attention_heads=seed_heads,
-        num_key_value_heads=max(1, seed_heads // 2),
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         bos_token_id=1,

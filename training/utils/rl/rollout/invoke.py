@@ -13,6 +13,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import aiohttp
+import openai
+
 from training.utils.errors import ConfigError, RecoverableRolloutError
 from training.utils.rl.rollout.types import RolloutRun, validate_run
 
@@ -58,21 +61,9 @@ def is_recoverable(exc: BaseException) -> bool:
     status = getattr(exc, "status_code", None) or getattr(exc, "status", None)
     if isinstance(status, int) and (status in _RETRYABLE_HTTP_STATUS or status >= 500):
         return True
-    try:
-        import aiohttp
-
-        if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError)):
-            return True
-    except ImportError:  # pragma: no cover - aiohttp is a dependency
-        pass
-    try:
-        import openai
-
-        if isinstance(exc, (openai.APIConnectionError, openai.APITimeoutError)):
-            return True
-    except ImportError:  # pragma: no cover - openai is a dependency
-        pass
-    return False
+    return isinstance(
+        exc, (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError, openai.APIConnectionError, openai.APITimeoutError)
+    )
 
 
 @dataclass
