@@ -49,7 +49,7 @@ class _Protocol:
             "return_token_ids": True,
             "timeout": sampling["timeout"],
         }
-        for key in ("stop", "stop_token_ids", "seed"):
+        for key in ("stop", "stop_token_ids", "seed", "user"):
             if sampling.get(key):
                 body[key] = sampling[key]
         return body
@@ -72,7 +72,7 @@ class _Protocol:
                         finish_reason=choice["finish_reason"],
                         versions=versions,
                         text=choice.get("text", ""),
-                        prompt_ids=list(prompt_ids),
+                        prompt_ids=[int(t) for t in choice.get("prompt_token_ids") or data.get("prompt_token_ids") or prompt_ids],
                     )
                 )
             return out
@@ -134,8 +134,13 @@ class Sampler:
         timeout: float | None = None,
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
+        user: str | None = None,
     ) -> list[Completion]:
-        """Sample `n` completions of `prompt_ids` (a text prompt needs `tokenizer`)."""
+        """Sample `n` completions of `prompt_ids` (a text prompt needs `tokenizer`).
+
+        `user` is an affinity key forwarded to the deployment so one trajectory's requests stay on one
+        replica (prefix-cache reuse); each `Completion.prompt_ids` is the prompt the server echoed.
+        """
         if isinstance(prompt_ids, str):
             if self.tokenizer is None:
                 raise ValueError("sample() got a text prompt but the Sampler has no tokenizer")
@@ -150,6 +155,7 @@ class Sampler:
             "stop": [stop] if isinstance(stop, str) else list(stop or []),
             "stop_token_ids": list(stop_token_ids or []),
             "seed": seed,
+            "user": user,
             "timeout": timeout,
         }
         body = self.protocol.request_body(self.model_name, prompt_ids, n, sampling)
