@@ -22,13 +22,14 @@ The trainer side of each batch has the same five phases as `rl_loop`:
   4. Publish: push the weights, then the version (the gate widens, rows become durable).
   5. Metrics, evaluation, checkpoint.
 The producer, the gate and the coordinator live in `training/utils/rl/async_rl/`; all model
-work runs on one trainer thread, so the event loop keeps serving rollouts meanwhile.
+work runs on one trainer thread, so the event loop keeps serving rollouts meanwhile. Under
+torchrun (README: Scaling out) rank 0 runs all of the above and the other ranks only train:
+they make each trainer-thread call rank 0 announces (`TrainerWorker.follow`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import json
 import logging
@@ -43,9 +44,10 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
+from training.utils import distributed
 from training.utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from training.utils.config import RLConfig
-from training.utils.deploy import EmbeddedDeployment, start_embedded_deployment
+from training.utils.deploy import Deployment, start_deployment
 from training.utils.errors import ConfigError
 from training.utils.logging import RunHealth, RunLogger
 from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS
@@ -64,7 +66,7 @@ from training.utils.rl.async_rl.telemetry import perf_metrics, version_offset_me
 from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
 from training.utils.rl.rollout.invoke import context_params
 from training.utils.rl.rollout.types import Datum, PromptGroup, RolloutSetup
-from training.utils.rl.setup import make_rollout_setup, maybe_evaluate, setup_trainers
+from training.utils.rl.setup import make_rollout_setup, maybe_evaluate, setup_trainers, start_agent_shim
 from training.utils.rl.train_step import anchor_and_reference, make_loss_fn, ppo_update
 from training.utils.trainer import Trainer
 
@@ -139,10 +141,11 @@ def main(
     """Train, resuming from the newest checkpoint if there is one; returns a summary of the run."""
     if rows is None:
         rows = read_rows(cfg.dataset_path)
-    return asyncio.run(
-        run(cfg, rollout_fn_factory, rows, dynamic_filter_fn=dynamic_filter_fn, evaluation_fn=evaluation_fn,
-            evaluation_interval=evaluation_interval, rollout_extras=rollout_extras)
-    )
+    with distributed.distributed_session(cfg.trainer.distributed_timeout_s):  # a no-op without torchrun
+        return asyncio.run(
+            run(cfg, rollout_fn_factory, rows, dynamic_filter_fn=dynamic_filter_fn, evaluation_fn=evaluation_fn,
+                evaluation_interval=evaluation_interval, rollout_extras=rollout_extras)
+        )
 
 
 async def run(
@@ -161,21 +164,26 @@ async def run(
     policy, reference, tokenizer = setup_trainers(cfg, total_steps)
     progress = restore(cfg, policy, rng)
     start_step = progress.get("step", 0)
-    deployment = await start_embedded_deployment(
-        copy.deepcopy(policy.model), tokenizer, cfg.deployment, model_name=cfg.model,
+    # All trainer work goes through the worker; under torchrun it runs on every rank.
+    worker = TrainerWorker(policy=policy, reference=reference, rng=rng, cfg=cfg, tokenizer=tokenizer)
+    if not distributed.is_main():
+        worker.follow()
+        return distributed.broadcast_object(control=True)  # rank 0's summary
+    deployment = await start_deployment(
+        await worker.run(policy.model_for_inference), tokenizer, cfg.deployment, model_name=cfg.model,
         sampling_timeout_s=cfg.sampling.timeout_s,
     )
     logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress,
                        wandb_project=cfg.wandb_project, config=cfg.model_dump())
     health = RunHealth()
-    worker = TrainerWorker()
-    producer_task = None
+    producer_task = shim = None
     step, metrics, saved_step, samples_trained = start_step, {}, start_step, 0
     try:
         if start_step:
             # The deployment starts from the resumed weights; it serves them under their version.
-            await deployment.weight_sync.sync(policy.state_dict_for_inference(), start_step)
-        setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras)
+            await deployment.weight_sync.sync(await worker.run(policy.state_dict_for_inference), start_step)
+        shim = await start_agent_shim(cfg, tokenizer, deployment)  # None unless cfg.agent_shim.enabled
+        setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim)
         rollout_fn = rollout_fn_factory(setup)
         coordinator, producer = start_producer(
             cfg, rows, progress, rollout_fn, dynamic_filter_fn, total_steps=total_steps,
@@ -189,7 +197,8 @@ async def run(
             worker.take_busy_s()
             # 1.–3. Each chunk as it arrives: reference and old-policy logprobs, then its gradient;
             #       the optimizer step(s) once the batch is complete.
-            training = BatchTraining(accumulate=accumulates_per_chunk(cfg, len(batch.chunk_targets)))
+            training = await worker.share(
+                "training", BatchTraining(accumulate=accumulates_per_chunk(cfg, len(batch.chunk_targets))))
             while (chunk := await coordinator.next_chunk(batch)) is not None:
                 await worker.run(train_chunk, policy, reference, chunk_groups(chunk, cfg), training, cfg)
             metrics = await worker.run(finish_batch, policy, training, cfg, rng)
@@ -197,7 +206,8 @@ async def run(
             # 4. Publish: push the weights, and only then the version the gate and rollouts see.
             t_sync = time.monotonic()
             if batch.id % cfg.weight_sync_interval == 0 or batch.id == total_steps:
-                metrics |= await deployment.weight_sync.sync(policy.state_dict_for_inference(), batch.id)
+                metrics |= await deployment.weight_sync.sync(await worker.run(policy.state_dict_for_inference),
+                                                             batch.id)
             sync_time = time.monotonic() - t_sync
             coordinator.publish(batch, deployment.version)
             step = batch.id
@@ -218,24 +228,27 @@ async def run(
         if cfg.dcp_save_interval and step != saved_step:
             await checkpoint(cfg, worker, policy, producer, deployment, rng, step, logger)
         if deployment.version != step:
-            await deployment.weight_sync.sync(policy.state_dict_for_inference(), step)
+            await deployment.weight_sync.sync(await worker.run(policy.state_dict_for_inference), step)
         if step != evaluated_step:
             metrics |= await evaluate(evaluation_fn, setup, step, logger, cfg)
         if cfg.output_dir:
             await worker.run(policy.save_hf, cfg.output_dir, tokenizer)
     finally:
         # Shutdown order: 1. stop the producer (cancels every rollout in flight); 2. let the trainer
-        # thread finish its current operation; 3. close the ledger; 4. stop the deployment.
+        # thread finish its current operation (under torchrun, then release the other ranks); 3. close
+        # the ledger; 4. stop the agent shim, then the deployment it samples from.
         if producer_task is not None and not producer_task.done():
             producer_task.cancel()
         if producer_task is not None:
             await asyncio.gather(producer_task, return_exceptions=True)
         await worker.close()
         plots = logger.close()
+        if shim is not None:
+            await shim.close()
         await deployment.close()
     (log.warning if health.first_step else log.info)(health.summary_text())
     newest = latest_checkpoint(cfg.log_path)
-    return {
+    summary = {
         "steps": step,
         "start_step": start_step,
         "version": step,
@@ -248,6 +261,7 @@ async def run(
         "checkpoint": str(newest) if newest else None,
         "output_dir": cfg.output_dir,
     }
+    return distributed.broadcast_object(summary, control=True)  # under torchrun every rank returns it
 
 
 # ---- start-up ------------------------------------------------------------------------------
@@ -268,6 +282,7 @@ def planned_steps(cfg: Config, num_rows: int) -> int:
 def restore(cfg: Config, policy: Trainer, rng: np.random.Generator) -> dict[str, Any]:
     """Load `init_from_checkpoint`, else the newest checkpoint in `log_path`; returns its progress ({} if none)."""
     path = Path(cfg.init_from_checkpoint) if cfg.init_from_checkpoint else latest_checkpoint(cfg.log_path)
+    path = distributed.broadcast_object(path)  # under torchrun every rank loads the one rank 0 found
     if path is None:
         return {}
     progress = load_checkpoint(path, policy=policy, np_rng=rng)
@@ -438,7 +453,7 @@ def combine_chunk_metrics(chunk_metrics: list[tuple[dict[str, float], float]]) -
 # ---- metrics and checkpoints ----------------------------------------------------------------
 
 
-def step_metrics(batch, coordinator: BatchCoordinator, producer: RolloutProducer, deployment: EmbeddedDeployment,
+def step_metrics(batch, coordinator: BatchCoordinator, producer: RolloutProducer, deployment: Deployment,
                  step_start: float, *, step_time: float, train_time: float, sync_time: float) -> dict[str, float]:
     """`rollout/*` over this batch's rows plus the rows rejected since the last step; `async/*`
     and `perf/*` of this batch."""
@@ -472,7 +487,7 @@ async def evaluate(evaluation_fn, setup: RolloutSetup, step: int, logger: RunLog
 
 
 async def checkpoint(cfg: Config, worker: TrainerWorker, policy: Trainer, producer: RolloutProducer,
-                     deployment: EmbeddedDeployment, rng, step: int, logger: RunLogger) -> int:
+                     deployment: Deployment, rng, step: int, logger: RunLogger) -> int:
     """Save on the trainer thread; the progress is captured now, right after the publication."""
     progress = {"step": step, "weights_version": deployment.version, **producer.resume_state()}
     start = time.monotonic()

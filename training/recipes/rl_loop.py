@@ -16,12 +16,13 @@ Each iteration has five visible phases:
   3. PPO inner loop: `ppo_epochs` × `ppo_minibatches` optimizer steps.
   4. Publish the new policy to the deployment (weight sync, then the version).
   5. Metrics.
+Under torchrun (README: Scaling out) rank 0 runs all five phases and the other ranks train
+only: they make each trainer call rank 0 announces (`TrainerWorker.follow`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 from collections import Counter
@@ -32,16 +33,18 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from training.utils import distributed
 from training.utils.config import RLConfig
-from training.utils.deploy import start_embedded_deployment
+from training.utils.deploy import start_deployment
 from training.utils.errors import CircuitBreakerError
 from training.utils.logging import RunLogger
+from training.utils.rl.async_rl import TrainerWorker
 from training.utils.rl.async_rl.telemetry import perf_metrics
 from training.utils.rl.dataset import RowCursor, RowItem
 from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
 from training.utils.rl.rollout.invoke import context_params, gather_or_cancel, run_draw
 from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
-from training.utils.rl.setup import make_rollout_setup, maybe_evaluate, setup_trainers
+from training.utils.rl.setup import make_rollout_setup, maybe_evaluate, setup_trainers, start_agent_shim
 from training.utils.rl.train_step import anchor_and_reference, ppo_update
 from training.utils.trainer import Trainer
 
@@ -66,10 +69,11 @@ def main(
     rollout_extras: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train; returns a summary (steps, last metrics, paths of the run's outputs)."""
-    return asyncio.run(
-        run(cfg, rollout_fn_factory, rows, dynamic_filter_fn=dynamic_filter_fn,
-            evaluation_fn=evaluation_fn, rollout_extras=rollout_extras)
-    )
+    with distributed.distributed_session(cfg.trainer.distributed_timeout_s):  # a no-op without torchrun
+        return asyncio.run(
+            run(cfg, rollout_fn_factory, rows, dynamic_filter_fn=dynamic_filter_fn,
+                evaluation_fn=evaluation_fn, rollout_extras=rollout_extras)
+        )
 
 
 async def run(
@@ -86,14 +90,21 @@ async def run(
     cursor = RowCursor(rows, seed=cfg.seed)
     total_steps = cfg.max_steps or cfg.epochs * max(1, len(rows) // cfg.prompt_groups_per_step)
     policy, reference, tokenizer = setup_trainers(cfg, total_steps)
-    deployment = await start_embedded_deployment(
-        copy.deepcopy(policy.model), tokenizer, cfg.deployment, model_name=cfg.model,
+    # All trainer work goes through the worker's thread; under torchrun it runs on every rank.
+    worker = TrainerWorker(policy=policy, reference=reference, rng=rng, cfg=cfg, tokenizer=tokenizer)
+    if not distributed.is_main():
+        worker.follow()
+        return distributed.broadcast_object(control=True)  # rank 0's summary
+    deployment = await start_deployment(
+        await worker.run(policy.model_for_inference), tokenizer, cfg.deployment, model_name=cfg.model,
         sampling_timeout_s=cfg.sampling.timeout_s,
     )
     logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress,
                        wandb_project=cfg.wandb_project, config=cfg.model_dump(), new_run=True)
+    shim = None
     try:
-        setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras)
+        shim = await start_agent_shim(cfg, tokenizer, deployment)  # None unless cfg.agent_shim.enabled
+        setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim)
         rollout_fn = rollout_fn_factory(setup)
         context_keys = context_params(rollout_fn)
         metrics: dict[str, float] = {}
@@ -115,11 +126,11 @@ async def run(
                 continue
             empty_batches = 0
             # 2.–3. Reference and old-policy logprobs, then the PPO inner loop (on a worker thread).
-            metrics |= await asyncio.to_thread(train_on_groups, policy, reference, groups, cfg, rng)
+            metrics |= await worker.run(train_on_groups, policy, reference, groups, cfg, rng)
             t_trained = time.monotonic()
             # 4. Publish: push weights, and only then bump the version rollouts see.
             if step % cfg.weight_sync_interval == 0 or step == total_steps:
-                metrics |= await deployment.weight_sync.sync(policy.state_dict_for_inference(), step)
+                metrics |= await deployment.weight_sync.sync(await worker.run(policy.state_dict_for_inference), step)
             t_synced = time.monotonic()
             # 5. Metrics.
             metrics |= perf_metrics(
@@ -133,11 +144,14 @@ async def run(
             logger.log(step, metrics)
         metrics |= await maybe_evaluate(evaluation_fn, setup, total_steps, logger if total_steps else None)
         if cfg.output_dir:
-            await asyncio.to_thread(policy.save_hf, cfg.output_dir, tokenizer)
+            await worker.run(policy.save_hf, cfg.output_dir, tokenizer)
     finally:
+        await worker.close()  # under torchrun, releases the other ranks
         plots = logger.close()
+        if shim is not None:
+            await shim.close()  # before the deployment it samples from
         await deployment.close()
-    return {
+    summary = {
         "steps": total_steps,
         "version": deployment.version,
         "metrics": metrics,
@@ -146,6 +160,7 @@ async def run(
         "plots": [str(p) for p in plots],
         "output_dir": cfg.output_dir,
     }
+    return distributed.broadcast_object(summary, control=True)  # under torchrun every rank returns it
 
 
 async def sample_batch(

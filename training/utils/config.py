@@ -41,6 +41,27 @@ class TrainerConfig(StrictModel):
     """Recompute activations in the backward pass to save memory."""
     logprob_chunk_tokens: int = Field(1024, gt=0)
     """Tokens per chunk when turning logits into logprobs, bounding the float32 vocab-sized buffer."""
+    distributed_timeout_s: float = Field(1800.0, gt=0)
+    """Under torchrun (README: Scaling out): longest wait of one collective (gradient reduction, weight
+    gather, checkpoint) before the rank fails with an error instead of hanging."""
+
+    # -- LoRA (README: LoRA) -------------------------------------------------------------
+    lora_rank: int = Field(0, ge=0)
+    """Rank r of LoRA adapters (peft) on `lora_target_modules`; 0 trains every weight. With r > 0 only the
+    adapters train, the reference for `kl_beta` is the same model with adapters disabled (no second copy),
+    weight sync and `save_hf` send merged weights, and checkpoints hold the adapters. LoRA usually wants a
+    learning rate about 10x higher than full fine-tuning."""
+    lora_alpha: float = Field(32.0, gt=0)
+    """Adapter scale: the update is (lora_alpha / lora_rank)·B·A."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter input while training. Keep 0 for RL: with dropout the training pass no longer
+    computes the anchor's distribution, so the ratio is not 1 on the first step."""
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+    """Names of the linear layers that get adapters (a layer matches by its last name component); the
+    default is the attention and MLP projections of Llama/Qwen/Mistral-style models."""
 
 
 class SamplingConfig(StrictModel):
@@ -63,30 +84,71 @@ class SamplingConfig(StrictModel):
 class DeploymentConfig(StrictModel):
     """The inference deployment rollouts sample from."""
 
-    kind: Literal["embedded"] = "embedded"
-    """`embedded`: an engine inside the training process, served over HTTP on `host:port`."""
+    kind: Literal["embedded", "vllm", "sglang", "openai"] = "embedded"
+    """`embedded`: an engine inside the training process, served over HTTP on `host:port`. `vllm` / `sglang`:
+    a server you started at `base_url`, spoken to through its own API (README: Scaling out). `openai`: any
+    OpenAI-compatible completions server that returns token ids and logprobs (sampling only, no weight sync)."""
+    base_url: str | None = None
+    """Root URL of an external server, e.g. `http://gpu-node:8000` (without `/v1`); required unless `embedded`."""
     host: str = "127.0.0.1"
     """Bind address of the embedded server. Anything but loopback requires `api_key`."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the embedded server; 0 picks a free one."""
     api_key: str | None = None
-    """Bearer token the embedded server requires; mandatory when binding beyond loopback."""
-    weight_sync: Literal["in_process", "disk"] = "in_process"
-    """`in_process`: copy tensors into the engine's model; `disk`: write safetensors and call /update_weights_from_disk."""
+    """Bearer token the embedded server requires (mandatory when binding beyond loopback); sent to an external server."""
+    weight_sync: Literal["in_process", "disk", "nccl", "none"] = "in_process"
+    """`in_process` (embedded only): copy tensors into the engine's model; `disk`: write safetensors to `weight_dir`
+    and have the server load them (the default for vllm/sglang); `nccl` (vllm/sglang, GPUs on both ends): broadcast
+    the tensors into the server's GPUs; `none` (the only choice for openai): the server keeps its initial weights."""
     inflight_on_sync: Literal["finish_old", "continue_new"] = "continue_new"
     """What in-flight requests do at a weight sync: finish on the old weights (the sync waits for them),
-    or pause and continue on the new weights (each token records its version)."""
+    or pause and continue on the new weights (the embedded engine records each token's version)."""
     max_batch_requests: int = Field(64, gt=0)
     """Most sequences the engine decodes at once."""
     max_context_tokens: int | None = Field(None, gt=0)
     """Longest prompt + completion served; defaults to the model's `max_position_embeddings`."""
     weight_sync_timeout_s: float = Field(600.0, gt=0)
     """Upper bound on one weight sync; exceeding it raises instead of hanging."""
+    weight_dir: str | None = None
+    """Where `disk` sync writes `step_<version>/` directories; an external server must see it at the same path
+    (a shared filesystem). None: a temporary directory, removed at the end (enough for a server on this machine)."""
+    nccl_master_address: str | None = None
+    """Address of this trainer that the server's GPUs reach for `nccl` sync; None: this host's address."""
+    nccl_master_port: int = Field(0, ge=0, le=65535)
+    """Port the trainer opens for the `nccl` rendezvous; 0 picks a free one."""
+    connect_timeout_s: float = Field(60.0, gt=0)
+    """How long start-up waits for an external server's health check (it may still be loading its model)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _external_weight_sync_default(cls, data):
+        # `in_process` cannot reach another process: an external kind defaults to what it supports.
+        if isinstance(data, dict) and data.get("kind") in ("vllm", "sglang", "openai") and "weight_sync" not in data:
+            data = {**data, "weight_sync": "none" if data["kind"] == "openai" else "disk"}
+        return data
 
     @model_validator(mode="after")
     def _remote_bind_needs_key(self) -> DeploymentConfig:
         if self.host not in ("127.0.0.1", "localhost", "::1") and not self.api_key:
             raise ValueError(f"deployment.host={self.host!r} binds beyond loopback; set deployment.api_key too")
+        return self
+
+    @model_validator(mode="after")
+    def _kind_combinations(self) -> DeploymentConfig:
+        if self.kind == "embedded":
+            if self.weight_sync not in ("in_process", "disk"):
+                raise ValueError(f"deployment.weight_sync={self.weight_sync!r} is for external servers; "
+                                 "the embedded deployment takes 'in_process' or 'disk'")
+            return self
+        if not self.base_url:
+            raise ValueError(f"deployment.kind={self.kind!r} needs deployment.base_url (e.g. 'http://localhost:8000')")
+        if not self.base_url.startswith(("http://", "https://")) or self.base_url.rstrip("/").endswith("/v1"):
+            raise ValueError(f"deployment.base_url={self.base_url!r}: give the server's root URL, "
+                             "'http(s)://host:port' without '/v1'")
+        allowed = ("none",) if self.kind == "openai" else ("disk", "nccl", "none")
+        if self.weight_sync not in allowed:
+            raise ValueError(f"deployment.weight_sync={self.weight_sync!r} is not available with kind={self.kind!r}; "
+                             f"use one of {allowed}")
         return self
 
 
@@ -103,6 +165,40 @@ class TISConfig(StrictModel):
     """Seq-mask TIS: drop whole sequences whose geometric-mean ratio is below this."""
     seq_mask_high: float | None = Field(None, gt=0)
     """Seq-mask TIS: drop whole sequences whose geometric-mean ratio is above this."""
+
+
+class AgentShimConfig(StrictModel):
+    """The agent shim (DESIGN.md §7): a local Anthropic/OpenAI endpoint that records black-box agents' turns.
+
+    Enabled, the recipes start it after the deployment and hand it to rollouts as `setup.shim`.
+    The trainer owns sampling: temperature, top_p and top_k come from `sampling`, and a turn's
+    max_tokens is the least of `sampling.max_tokens`, the client's own cap and the context left.
+    """
+
+    enabled: bool = False
+    """Start the shim and pass it to rollouts as `setup.shim`."""
+    host: str = "127.0.0.1"
+    """Bind address. Every model endpoint requires a session key (a random token minted per rollout);
+    binding beyond loopback exposes the shim to other machines, so do it only on a trusted network."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port; 0 picks a free one."""
+    turn_matching: Literal["message_hash", "token_prefix"] = "message_hash"
+    """How a request is matched to the turns already recorded: hashes of normalized messages (default), or
+    the stricter token prefix (a request continues a turn only if its fresh render starts with that turn's
+    prompt + output ids)."""
+    stitching: Literal["split", "repair"] = "split"
+    """When a later prompt no longer token-matches an earlier output: `split` opens a new segment and loses
+    no sampled token; `repair` masks or drops the unstitched tail."""
+    max_context_tokens: int | None = Field(None, gt=0)
+    """Longest prompt + completion of one turn; a prompt with no room left is a 400 `context_length_exceeded`.
+    None means the deployment's context length."""
+    request_timeout_s: float = Field(900.0, gt=0)
+    """Upper bound on each wait of one request: its turn in the session's queue, sampling, writing the reply."""
+    record_toolless: bool = True
+    """Record requests that offer no tools as turns. False treats them as auxiliary calls (titles, summaries):
+    answered, counted, never trained and never part of the session's history."""
+    max_body_bytes: int = Field(64 * 2**20, gt=0)
+    """Largest request body accepted (tool results can be large); bigger bodies get a 413."""
 
 
 POLICY_LOSS_NAMES = ("grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo")
@@ -142,7 +238,8 @@ class RLConfig(StrictModel):
     dual_clip_c: float | None = Field(None, gt=1)
     """Dual clip for A < 0: the per-token loss is at most c·|A|. None disables it."""
     kl_beta: float = Field(0.0, ge=0)
-    """Weight of the KL-to-reference loss term; > 0 keeps a frozen copy of the initial policy."""
+    """Weight of the KL-to-reference loss term; > 0 keeps a frozen copy of the initial policy (with
+    `trainer.lora_rank` > 0, the policy itself with its adapters disabled: no copy)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the loss term: k1 π−π_ref, k2 ½(π−π_ref)², k3 exp(π_ref−π)−(π_ref−π)−1."""
     dro_beta: float = Field(0.1, gt=0)
@@ -177,6 +274,8 @@ class RLConfig(StrictModel):
     """The inference deployment rollouts sample from."""
     weight_sync_interval: int = Field(1, ge=1)
     """Push weights to the deployment every this many optimizer batches."""
+    agent_shim: AgentShimConfig = Field(default_factory=AgentShimConfig)
+    """The agent shim black-box agents call as their model endpoint; off unless `agent_shim.enabled`."""
 
     # -- observability ------------------------------------------------------------------------
     wandb_project: str | None = None

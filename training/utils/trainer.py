@@ -7,7 +7,13 @@ One `Trainer` wraps one Hugging Face causal LM on one device:
 - `optim_step()`: AdamW with a non-finite-gradient guard, norm clipping and an LR schedule;
 - `state_dict_for_inference()` / `save_hf(path)`: hand the weights to an inference engine.
 
-A reference model is a `Trainer(model, cfg, trainable=False)`: frozen, eval mode, no optimizer.
+A reference model is a `Trainer(model, cfg, trainable=False)`: frozen, eval mode, no optimizer;
+for a LoRA policy (`cfg.lora_rank > 0`) it is `policy.adapter_disabled_reference()`, no copy.
+
+Under torchrun (`training.utils.distributed`) the model is sharded with FSDP2 and every rank
+calls each method with the same datums: each rank trains its share of the micro-batches, the
+gradients sum to the single-process gradient, and metrics and logprobs are gathered so every
+rank returns what one process would. The export methods gather the full weights onto rank 0.
 
 Logprobs are `log_softmax(lm_head(h) / temperature)` at the target ids. The decoder runs once
 per micro-batch; the vocabulary projection runs in chunks of `cfg.logprob_chunk_tokens`
@@ -27,11 +33,15 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import checkpoint
 
+from training.utils import distributed
 from training.utils.config import TrainerConfig
 from training.utils.errors import ConfigError
+from training.utils.lora import adapters_disabled, merged_state_dict, standalone_copy, wrap_with_lora
 from training.utils.rl.rollout.types import Datum
 
 logger = logging.getLogger(__name__)
@@ -238,6 +248,8 @@ class _MetricTotals:
                 self.weighted_sums[name] = self.weighted_sums.get(name, 0.0) + value * weight
 
     def reduce(self) -> dict[str, float]:
+        if distributed.is_distributed():
+            return self._reduce_across_ranks()
         # The loss function's own "loss" metric, if any, is overridden by the summed loss.
         means = {name: total / self.weight_total for name, total in self.weighted_sums.items()}
         tensors = {**means, **self.extremes, "loss": self.loss}
@@ -245,12 +257,40 @@ class _MetricTotals:
         values = torch.stack(list(tensors.values())).tolist()
         return dict(zip(tensors.keys(), values))
 
+    def _reduce_across_ranks(self) -> dict[str, float]:
+        """The same reduction over every rank's micro-batches (a rank may have run none), identical on all ranks."""
+        local = [*self.weighted_sums.values(), *self.extremes.values(), *([self.loss] if self.loss is not None else [])]
+        values = iter(torch.stack([torch.as_tensor(v).float().cpu() for v in local]).tolist() if local else [])
+        mine = ({name: next(values) for name in self.weighted_sums}, {name: next(values) for name in self.extremes},
+                next(values, None), self.weight_total)
+        sums: dict[str, float] = {}
+        extremes: dict[str, float] = {}
+        loss, weight_total = 0.0, 0.0
+        for rank_sums, rank_extremes, rank_loss, rank_weight in distributed.all_gather_objects(mine):
+            for name, value in rank_sums.items():
+                sums[name] = sums.get(name, 0.0) + value
+            for name, value in rank_extremes.items():
+                pick = min if name.endswith("_min") else max
+                extremes[name] = value if name not in extremes else pick(extremes[name], value)
+            loss += rank_loss or 0.0
+            weight_total += rank_weight
+        return {**{name: total / weight_total for name, total in sums.items()}, **extremes, "loss": loss}
+
 
 class Trainer:
     """A policy (trainable) or reference (frozen) model with logprob, gradient and optimizer steps.
 
     `step` counts applied optimizer steps only; steps skipped for a non-finite gradient are
     counted in `skipped_steps` and do not advance the LR schedule.
+
+    With `cfg.lora_rank > 0` a trainable model is wrapped with peft LoRA adapters (`self.model`
+    is the wrapper, `self.lora` is True): only the adapters are optimized, the base weights stay
+    bit-identical, `adapter_disabled_reference()` serves as the KL reference, and the export
+    methods merge the adapters in (see `training.utils.lora`).
+
+    Under torchrun the model is sharded with FSDP2 at construction (`distributed.shard_model`),
+    before the optimizer is built on the shards; every rank must then make the same calls in the
+    same order (the recipes' `TrainerWorker` sees to it).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, trainable: bool = True) -> None:
@@ -262,14 +302,22 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.optimizer: torch.optim.AdamW | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.lora = trainable and cfg.lora_rank > 0
+        self._sharded_root: _ShardedRoot | None = None
         if not trainable:
             model.requires_grad_(False)
             model.eval()
+            self._shard_if_distributed()
             return
         if cfg.lr_schedule != "constant" and cfg.total_steps is None:
             raise ConfigError(f"lr_schedule={cfg.lr_schedule!r} decays over total_steps; set total_steps")
+        if self.lora:
+            # Freezes the base; the optimizer below then sees only the adapters (requires_grad).
+            self.model = model = wrap_with_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                                                dropout=cfg.lora_dropout, target_modules=cfg.lora_target_modules)
         if cfg.gradient_checkpointing:
             _enable_activation_checkpointing(model)
+        self._shard_if_distributed()
         self.optimizer = torch.optim.AdamW(
             _param_groups(model, cfg.weight_decay),
             lr=cfg.learning_rate,
@@ -278,7 +326,46 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_multiplier(step, cfg))
 
+    def _shard_if_distributed(self) -> None:
+        """Under torchrun, FSDP2 over this trainer's model; the optimizer is built afterwards, on the shards."""
+        if not distributed.is_distributed():
+            return
+        if self.lora:
+            raise ConfigError("trainer.lora_rank > 0 is not supported under torchrun yet; train LoRA in one process")
+        self._sharded_root = _ShardedRoot(self.model, self._forward)
+        distributed.shard_model(self.model, self._sharded_root)
+
     # ---- forward passes -------------------------------------------------------------
+
+    def _microbatches(self, lengths: list[int]) -> list[list[int] | None]:
+        """This rank's micro-batches, as indices into the call's datums; all of them in one process.
+
+        Under torchrun every rank gets the same datums and keeps its share (`distributed.rank_shares`),
+        and pads its plan with `None` fillers to the longest plan of any rank, which it computes
+        locally: FSDP2 needs every rank to run as many forwards and backwards.
+        """
+        budget = self.cfg.max_tokens_per_microbatch
+        if self._sharded_root is None:
+            return plan_microbatches(lengths, budget)
+        plans = [
+            [[share[i] for i in mb] for mb in plan_microbatches([lengths[i] for i in share], budget)] if share else []
+            for share in distributed.rank_shares(lengths, distributed.world_size())
+        ]
+        mine = plans[distributed.rank()]
+        return mine + [None] * (max(map(len, plans)) - len(mine))
+
+    def _model_forward(self, batch: _PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """`_forward`, through the FSDP2 root when sharded so that its hooks run around it."""
+        if self._sharded_root is None:
+            return self._forward(batch, temperature, with_entropy)
+        return self._sharded_root(batch, temperature, with_entropy)
+
+    def _filler_pass(self, *, backward: bool) -> None:
+        """A one-token forward (and a zero backward) that changes nothing, run by a rank with fewer
+        micro-batches than another so that every rank makes FSDP2's collectives equally often."""
+        logprobs_BT, _ = self._model_forward(_filler_batch().to(self.device), 1.0, with_entropy=False)
+        if backward:
+            (logprobs_BT.sum() * 0.0).backward()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.device.type == "cuda":
@@ -331,9 +418,13 @@ class Trainer:
         self.model.eval()
         logprobs_D: list[Tensor] = [torch.empty(0)] * len(datums)
         entropy_D: list[Tensor] = [torch.empty(0)] * len(datums)
-        for indices in plan_microbatches([len(d) for d in datums], self.cfg.max_tokens_per_microbatch):
+        computed: list[int] = []
+        for indices in self._microbatches([len(d) for d in datums]):
+            if indices is None:
+                self._filler_pass(backward=False)
+                continue
             batch = _collate(datums, indices, {}, trained_only=False).to(self.device)
-            logprobs_BT, entropy_BT = self._forward(batch, temperature, with_entropy)
+            logprobs_BT, entropy_BT = self._model_forward(batch, temperature, with_entropy)
             logprobs_BT = logprobs_BT.cpu()
             entropy_BT = entropy_BT.cpu() if with_entropy else None
             for row, index in enumerate(indices):
@@ -341,6 +432,13 @@ class Trainer:
                 logprobs_D[index] = logprobs_BT[row, :n].clone()
                 if with_entropy:
                     entropy_D[index] = entropy_BT[row, :n].clone()
+            computed += indices
+        if self._sharded_root is not None:
+            # Each rank computed its share; every rank returns all of them.
+            mine = {index: (logprobs_D[index], entropy_D[index]) for index in computed}
+            for share in distributed.all_gather_objects(mine):
+                for index, (logprobs, entropy) in share.items():
+                    logprobs_D[index], entropy_D[index] = logprobs, entropy
         return (logprobs_D, entropy_D) if with_entropy else logprobs_D
 
     # ---- training ---------------------------------------------------------------------
@@ -375,9 +473,17 @@ class Trainer:
         self.model.train()
         num_tokens_total = float(sum(sum(d.weights) for d in datums))
         totals = _MetricTotals()
-        for indices in plan_microbatches([len(d) for d in datums], self.cfg.max_tokens_per_microbatch):
+        for indices in self._microbatches([len(d) for d in datums]):
+            if indices is None:
+                self._filler_pass(backward=True)
+                continue
             batch = _collate(datums, indices, extras, trained_only=True).to(self.device)
-            logprobs_BT, entropy_BT = self._forward(batch, temperature, with_entropy=with_entropy)
+            if self._sharded_root is not None and batch.positions.numel() == 0:
+                # Nothing to train (its loss would have no graph, so this rank alone would skip a
+                # backward and FSDP2's gradient reduction); its metrics are left out.
+                self._filler_pass(backward=True)
+                continue
+            logprobs_BT, entropy_BT = self._model_forward(batch, temperature, with_entropy=with_entropy)
             if with_entropy:
                 batch.extras["entropy"] = entropy_BT.detach()
             micro = MicroBatch(
@@ -391,6 +497,9 @@ class Trainer:
                 num_seqs_total=len(datums),
             )
             loss, metrics = loss_fn(logprobs_BT, micro)
+            if self._sharded_root is not None and not loss.requires_grad:
+                # Every rank must run this backward: it is where FSDP2 reduces the gradients.
+                loss = loss + 0.0 * logprobs_BT.sum()
             # A micro-batch without trained tokens never reaches the model's graph.
             if loss.requires_grad:
                 loss.backward()
@@ -408,6 +517,8 @@ class Trainer:
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()  # FSDP2: every rank's shards together, the same on all ranks
         # The one host sync of a step: deciding to skip needs the norm on the CPU.
         grad_norm_value = grad_norm.item()
         if not math.isfinite(grad_norm_value):
@@ -435,14 +546,117 @@ class Trainer:
     # ---- export -----------------------------------------------------------------------
 
     def state_dict_for_inference(self) -> dict[str, Tensor]:
-        """The live weights under Hugging Face names, detached and not copied."""
+        """The live weights under Hugging Face names, detached and not copied.
+
+        With LoRA: the base model's names, adapters merged in (new tensors for the adapted
+        layers, the live ones elsewhere). Adapter-only sync is future work (`training.utils.lora`).
+        Under torchrun a collective (every rank calls it): the full weights gathered onto rank 0's
+        CPU; the other ranks get {}.
+        """
+        if self.lora:
+            return merged_state_dict(self.model)
+        if self._sharded_root is not None:
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return self.model.state_dict()
 
+    def model_for_inference(self) -> torch.nn.Module | None:
+        """A model an inference engine may copy (`start_deployment` does): this trainer's own module.
+
+        Under torchrun a collective: a new unsharded model of the same class holding the gathered
+        weights, on rank 0; None on the other ranks.
+        """
+        if self._sharded_root is None:
+            return self.model
+        state = self.state_dict_for_inference()
+        if not distributed.is_main():
+            return None
+        return _unsharded_copy(self.model, state, self.device)
+
     def save_hf(self, path: str | Path, tokenizer=None) -> None:
-        """Write a Hugging Face directory (config + safetensors, and the tokenizer if given)."""
-        self.model.save_pretrained(path)
+        """Write a Hugging Face directory (config + safetensors, and the tokenizer if given).
+
+        With LoRA the directory holds the merged model (loadable without peft), written from a
+        temporary merged copy. Under torchrun every rank calls it and rank 0 writes.
+        """
+        if self._sharded_root is not None:
+            exported = self.model_for_inference()  # a collective: every rank gathers, rank 0 writes
+            if exported is None:
+                return
+        else:
+            exported = standalone_copy(self.model) if self.lora else self.model
+        exported.save_pretrained(path)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
+
+    def adapter_disabled_reference(self) -> AdapterDisabledReference:
+        """The KL reference of a LoRA policy: this trainer's module with its adapters disabled."""
+        if not self.lora:
+            raise RuntimeError("adapter_disabled_reference() needs a LoRA trainer (cfg.lora_rank > 0)")
+        return AdapterDisabledReference(self)
+
+
+class AdapterDisabledReference:
+    """The reference model of a LoRA policy: the policy's base model, i.e. its own module run
+    with the adapters disabled. It answers `logprobs` like a frozen `Trainer` and holds no
+    weights of its own, so `kl_beta > 0` costs no second copy of the model.
+
+    Call it on the thread that trains the policy: the adapters are off for the whole call.
+    """
+
+    trainable = False
+
+    def __init__(self, policy: Trainer) -> None:
+        self.policy = policy
+
+    def logprobs(
+        self, datums: list[Datum], temperature: float = 1.0, *, with_entropy: bool = False
+    ) -> list[Tensor] | tuple[list[Tensor], list[Tensor]]:
+        """`Trainer.logprobs` of the base model (bit-identical to the model before wrapping)."""
+        with adapters_disabled(self.policy.model):
+            return self.policy.logprobs(datums, temperature, with_entropy=with_entropy)
+
+
+Reference = Trainer | AdapterDisabledReference
+"""What computes reference logprobs: a frozen `Trainer`, or a LoRA policy's base model."""
+
+
+class _ShardedRoot(torch.nn.Module):
+    """The FSDP2 root: `Trainer._forward` as one module call.
+
+    `_forward` calls the decoder and `lm_head` directly, never the model's own `forward`, so the
+    root's hooks (gather the embeddings, final norm and lm_head before, reduce their gradients
+    after the backward) must wrap a module whose forward is `_forward`.
+    """
+
+    def __init__(self, model: torch.nn.Module, compute: Callable) -> None:
+        super().__init__()
+        self.model = model
+        self.compute = compute
+
+    def forward(self, batch: _PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        logprobs_BT, entropy_BT = self.compute(batch, temperature, with_entropy)
+        # Not views (`_scatter` returns one): an in-place op on a view output would drop the
+        # pre-backward hook FSDP2 registers on it. The copies are (b, T), small.
+        return logprobs_BT.clone(), entropy_BT.clone() if entropy_BT is not None else None
+
+
+def _filler_batch() -> _PaddedBatch:
+    """One token (id 0) whose logprob is computed and never trained."""
+    token = torch.zeros((1, 1), dtype=torch.long)
+    zeros = torch.zeros((1, 1))
+    return _PaddedBatch(input_ids=token, attention_mask=torch.ones_like(token), target_ids=token, weights=zeros,
+                        behaviour_logprobs=zeros, advantages=torch.zeros(1), extras={},
+                        positions=torch.zeros(1, dtype=torch.long))
+
+
+def _unsharded_copy(model: torch.nn.Module, state: dict[str, Tensor], device: torch.device) -> torch.nn.Module:
+    """A plain module of `model`'s class and config holding `state` (the gathered full weights)."""
+    dtype = next(iter(state.values())).dtype
+    with torch.device(device):
+        copy = type(model)(model.config).to(dtype)
+    copy.load_state_dict(state)
+    copy.generation_config = model.generation_config
+    return copy
 
 
 def _cat(chunks: list[Tensor], like: Tensor) -> Tensor:

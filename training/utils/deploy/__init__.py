@@ -1,5 +1,9 @@
 """Deployments rollouts sample from (DESIGN.md §6): engine, HTTP server, client, weight sync.
 
+`start_deployment` is the one place that picks the kind: the embedded engine (a copy of the
+policy) or an external vLLM / SGLang / OpenAI-compatible server (`external.py`). Both return an
+object with `sampler`, `weight_sync`, `base_url`, `model_name`, `version` and `close()`.
+
 One call brings the embedded deployment up inside the training process:
 
     deployment = await start_embedded_deployment(copy.deepcopy(policy), tokenizer, cfg.deployment,
@@ -20,22 +24,28 @@ from pathlib import Path
 from training.utils.config import DeploymentConfig
 from training.utils.deploy.completion import Completion, InvalidRequestError
 from training.utils.deploy.engine import Engine, read_safetensors
+from training.utils.deploy.external import ExternalDeployment, connect_external_deployment
 from training.utils.deploy.sampler import Sampler
 from training.utils.deploy.server import InferenceServer
 from training.utils.deploy.weight_sync import DiskWeightSync, InProcessWeightSync, WeightSync, make_weight_sync
+from training.utils.lora import standalone_copy
 
 __all__ = [
     "Completion",
+    "Deployment",
     "DiskWeightSync",
     "EmbeddedDeployment",
     "Engine",
+    "ExternalDeployment",
     "InProcessWeightSync",
     "InferenceServer",
     "InvalidRequestError",
     "Sampler",
     "WeightSync",
+    "connect_external_deployment",
     "make_weight_sync",
     "read_safetensors",
+    "start_deployment",
     "start_embedded_deployment",
 ]
 
@@ -101,6 +111,7 @@ async def start_embedded_deployment(
         raise
     sampler = Sampler(base_url, model_name, api_key=cfg.api_key, timeout_s=sampling_timeout_s, tokenizer=tokenizer)
     own_dir = None
+    weight_dir = weight_dir if weight_dir is not None else cfg.weight_dir
     if cfg.weight_sync == "disk" and weight_dir is None:
         own_dir = weight_dir = Path(tempfile.mkdtemp(prefix="weights_"))
     weight_sync = make_weight_sync(
@@ -113,3 +124,22 @@ async def start_embedded_deployment(
     )
     weight_sync.version = engine.version
     return EmbeddedDeployment(engine, server, base_url, sampler, weight_sync, model_name, own_dir)
+
+
+Deployment = EmbeddedDeployment | ExternalDeployment
+
+
+async def start_deployment(
+    policy_model, tokenizer, cfg: DeploymentConfig, *, model_name: str, sampling_timeout_s: float = 300.0
+) -> Deployment:
+    """Start the embedded deployment on a copy of `policy_model` (a LoRA-wrapped policy is copied
+    with its adapters merged in: a plain model under the base names), or connect to the external server
+    `cfg.kind` names (no copy: the server holds its own weights, and `disk` sync writes the policy's
+    config next to them). Call from a running event loop."""
+    if cfg.kind == "embedded":
+        return await start_embedded_deployment(
+            standalone_copy(policy_model), tokenizer, cfg, model_name=model_name, sampling_timeout_s=sampling_timeout_s
+        )
+    return await connect_external_deployment(
+        cfg, tokenizer, model_name, model_config=policy_model.config, sampling_timeout_s=sampling_timeout_s
+    )

@@ -1,11 +1,10 @@
 """Token-in/token-out HTTP client of a deployment: what rollouts call as `setup.sampler`.
 
-`await sampler.sample(prompt_ids, n, max_tokens=..., ...)` posts one `/v1/completions`
-request with a token-id prompt and returns `Completion`s (output ids, logprobs, finish
-reason, weight version per token). Everything that differs between servers (request
-extras, where token ids, logprobs and versions sit in the response) lives in a
-`_Protocol` here; only our embedded server's protocol exists today, and vLLM/SGLang
-become further entries of `PROTOCOLS`.
+`await sampler.sample(prompt_ids, n, max_tokens=..., ...)` posts one request with a token-id
+prompt and returns `Completion`s (output ids, logprobs, finish reason, weight version per
+token). Everything that differs between servers (the path, request extras, where token ids,
+logprobs and versions sit in the response) lives in a `Protocol` of `protocols.py`, chosen by
+name: `embedded`, `vllm`, `sglang` or `openai`.
 
 Retries: connection errors, timeouts, 5xx, 408 and 429 are retried with exponential
 backoff, then `RecoverableDeploymentError` (the rollout's draw is dropped and counted);
@@ -23,64 +22,13 @@ from typing import Any
 import aiohttp
 
 from training.utils.deploy.completion import Completion
+from training.utils.deploy.protocols import PROTOCOLS
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 
 RETRY_STATUSES = frozenset({408, 429})
 # Seconds added to a request's own timeout for the HTTP round trip: the server times out first
 # and says so, the client only when the server is unreachable or stalled.
 _TRANSPORT_SLACK_S = 10.0
-
-
-class _Protocol:
-    """Our embedded server's completion protocol (OpenAI + vLLM's `token_ids` + our `token_versions`)."""
-
-    name = "embedded"
-
-    def request_body(self, model: str, prompt_ids: list[int], n: int, sampling: dict[str, Any]) -> dict[str, Any]:
-        body = {
-            "model": model,
-            "prompt": prompt_ids,
-            "n": n,
-            "max_tokens": sampling["max_tokens"],
-            "temperature": sampling["temperature"],
-            "top_p": sampling["top_p"],
-            "top_k": sampling["top_k"],
-            "logprobs": 0,
-            "return_token_ids": True,
-            "timeout": sampling["timeout"],
-        }
-        for key in ("stop", "stop_token_ids", "seed", "user"):
-            if sampling.get(key):
-                body[key] = sampling[key]
-        return body
-
-    def parse(self, data: dict[str, Any], prompt_ids: list[int]) -> list[Completion]:
-        try:
-            out = []
-            for choice in sorted(data["choices"], key=lambda c: c["index"]):
-                ids = [int(t) for t in choice["token_ids"]]
-                logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-                versions = [int(v) for v in choice.get("token_versions") or [-1] * len(ids)]
-                if not len(ids) == len(logprobs) == len(versions):
-                    raise ValueError(
-                        f"{len(ids)} token_ids, {len(logprobs)} token_logprobs, {len(versions)} token_versions"
-                    )
-                out.append(
-                    Completion(
-                        output_ids=ids,
-                        logprobs=logprobs,
-                        finish_reason=choice["finish_reason"],
-                        versions=versions,
-                        text=choice.get("text", ""),
-                        prompt_ids=[int(t) for t in choice.get("prompt_token_ids") or data.get("prompt_token_ids") or prompt_ids],
-                    )
-                )
-            return out
-        except (KeyError, TypeError, ValueError) as e:
-            raise DeploymentError(f"malformed completion response ({e!r}): {json.dumps(data)[:300]}") from None
-
-
-PROTOCOLS: dict[str, _Protocol] = {"embedded": _Protocol()}
 
 
 class Sampler:
@@ -159,13 +107,13 @@ class Sampler:
             "timeout": timeout,
         }
         body = self.protocol.request_body(self.model_name, prompt_ids, n, sampling)
-        data = await self._post_with_retries("/v1/completions", body, timeout + _TRANSPORT_SLACK_S)
+        data = await self._post_with_retries(self.protocol.path, body, timeout + _TRANSPORT_SLACK_S)
         completions = self.protocol.parse(data, prompt_ids)
         if len(completions) != n:
             raise DeploymentError(f"asked for n={n} completions, the server returned {len(completions)}")
         return completions
 
-    async def _post_with_retries(self, path: str, body: dict, attempt_timeout: float) -> dict:
+    async def _post_with_retries(self, path: str, body: dict, attempt_timeout: float) -> dict | list:
         url = self.base_url + path
         last = "no attempt made"
         for attempt in range(self.max_retries + 1):
@@ -181,7 +129,7 @@ class Sampler:
                 last = f"{type(e).__name__}: {e}"
                 continue
             data = _loads(text)
-            if status == 200 and isinstance(data, dict):
+            if status == 200 and isinstance(data, (dict, list)):  # SGLang answers a batch with a list
                 return data
             message = _error_message(data, text)
             if status in RETRY_STATUSES or status >= 500 or status == 200:
@@ -212,6 +160,9 @@ def _error_message(data: Any, text: str) -> str:
         if isinstance(error, dict) and "message" in error:
             param = f" (param: {error['param']})" if error.get("param") else ""
             return f"{error['message']}{param}"
-        if "message" in data:
-            return str(data["message"])
+        if isinstance(error, str):
+            return error
+        for key in ("message", "detail"):  # SGLang and FastAPI (vLLM) error bodies
+            if key in data:
+                return str(data[key])
     return text[:300]

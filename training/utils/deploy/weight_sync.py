@@ -8,6 +8,8 @@
   POSTs `/update_weights_from_disk` with our `version` extension, then checks
   `GET /weights/version` equals `version`. Older step directories are deleted after a
   successful sync (the newest `keep_last` are kept).
+- The syncs into external vLLM / SGLang servers (disk and NCCL) live in `external.py` and share
+  `write_weight_dir`.
 
 The caller must not modify the tensors of `state_dict` until `sync` returns (the copy or the
 file write reads them); awaiting `sync` before the next optimizer step guarantees that.
@@ -29,6 +31,32 @@ from training.utils.errors import DeploymentError
 
 def _state_bytes(state_dict: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state_dict.values())
+
+
+def write_weight_dir(state_dict: Mapping[str, torch.Tensor], final: Path, model_config=None) -> Path:
+    """Write `final/model.safetensors` (and `final/config.json` from `model_config`) atomically:
+    into `final.tmp`, renamed when complete, so a server never reads a half-written directory."""
+    from safetensors.torch import save_file
+
+    tmp = final.with_name(final.name + ".tmp")
+    for stale in (tmp, final):
+        if stale.exists():
+            shutil.rmtree(stale)
+    tmp.mkdir(parents=True)
+    tensors, seen = {}, set()
+    for name, tensor in state_dict.items():
+        # safetensors refuses tensors sharing storage (tied embeddings); the engine's tied
+        # copy is the same tensor, so writing one of them is enough.
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = tensor.detach().contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"))
+    if model_config is not None:
+        model_config.to_json_file(str(tmp / "config.json"))
+    tmp.rename(final)
+    return final
 
 
 class WeightSync:
@@ -121,26 +149,7 @@ class DiskWeightSync(WeightSync):
         }
 
     def _write(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
-        from safetensors.torch import save_file
-
-        final = self.directory / f"step_{version}"
-        tmp = self.directory / f"step_{version}.tmp"
-        for stale in (tmp, final):
-            if stale.exists():
-                shutil.rmtree(stale)
-        tmp.mkdir(parents=True)
-        tensors, seen = {}, set()
-        for name, tensor in state_dict.items():
-            # safetensors refuses tensors sharing storage (tied embeddings); the engine's tied
-            # copy is the same tensor, so writing one of them is enough.
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-            if key in seen:
-                continue
-            seen.add(key)
-            tensors[name] = tensor.detach().contiguous()
-        save_file(tensors, str(tmp / "model.safetensors"))
-        tmp.rename(final)
-        return final
+        return write_weight_dir(state_dict, self.directory / f"step_{version}")
 
     def _prune(self) -> None:
         while len(self._written) > self.keep_last:

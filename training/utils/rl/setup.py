@@ -8,35 +8,67 @@ import math
 from typing import Any, Callable
 
 from training.utils.config import RLConfig
-from training.utils.deploy import EmbeddedDeployment
+from training.utils.deploy import Deployment, EmbeddedDeployment
 from training.utils.logging import RunLogger
 from training.utils.model import load_model_and_tokenizer
+from training.utils.rl.agent import AgentShim
 from training.utils.rl.rollout.types import RolloutSetup
-from training.utils.trainer import Trainer
+from training.utils.trainer import Reference, Trainer
 
 
-def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Trainer | None, Any]:
-    """The policy trainer and, when kl_beta > 0, a frozen reference copy of the initial policy."""
+def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference | None, Any]:
+    """The policy trainer and, when kl_beta > 0, the reference: a frozen copy of the initial policy,
+    or with LoRA the policy's own module with its adapters disabled (the base model, no copy)."""
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     trainer_cfg = cfg.trainer
     if trainer_cfg.total_steps is None:
         optimizer_steps = total_steps * cfg.ppo_epochs * cfg.ppo_minibatches
         trainer_cfg = trainer_cfg.model_copy(update={"total_steps": optimizer_steps})
-    reference = Trainer(copy.deepcopy(model), trainer_cfg, trainable=False) if cfg.kl_beta > 0 else None
-    return Trainer(model, trainer_cfg), reference, tokenizer
+    lora = trainer_cfg.lora_rank > 0
+    reference = None
+    if cfg.kl_beta > 0 and not lora:
+        reference = Trainer(copy.deepcopy(model), trainer_cfg, trainable=False)
+    policy = Trainer(model, trainer_cfg)
+    if cfg.kl_beta > 0 and lora:
+        reference = policy.adapter_disabled_reference()
+    return policy, reference, tokenizer
 
 
-def make_rollout_setup(cfg: RLConfig, tokenizer, deployment: EmbeddedDeployment, extras) -> RolloutSetup:
+def rollout_sample_kwargs(cfg: RLConfig) -> dict[str, Any]:
+    """`setup.sample_kwargs`: the trainer's sampling parameters, which the agent shim also enforces."""
     s = cfg.sampling
+    return dict(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                stop=list(s.stop), timeout=s.timeout_s)
+
+
+async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment) -> AgentShim | None:
+    """The agent shim sampling from `deployment`, started; None unless `cfg.agent_shim.enabled`.
+
+    Start it after the deployment and close it before: it samples from the deployment.
+    """
+    if not cfg.agent_shim.enabled:
+        return None
+    shim_cfg = cfg.agent_shim
+    if shim_cfg.max_context_tokens is None:
+        served = deployment.engine.max_context_tokens if isinstance(deployment, EmbeddedDeployment) else None
+        shim_cfg = shim_cfg.model_copy(update={"max_context_tokens": served or cfg.deployment.max_context_tokens})
+    shim = AgentShim(deployment.sampler, tokenizer, shim_cfg, rollout_sample_kwargs(cfg),
+                     model_name=deployment.model_name)
+    await shim.start()
+    return shim
+
+
+def make_rollout_setup(cfg: RLConfig, tokenizer, deployment: Deployment, extras,
+                       shim: AgentShim | None = None) -> RolloutSetup:
     return RolloutSetup(
         tokenizer=tokenizer,
         sampler=deployment.sampler,
-        sample_kwargs=dict(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                           top_k=s.top_k, stop=list(s.stop), timeout=s.timeout_s),
+        sample_kwargs=rollout_sample_kwargs(cfg),
         inference_base_url=deployment.base_url,
-        model_name=cfg.model,
+        model_name=deployment.model_name,
         completions_per_prompt=cfg.completions_per_prompt,
         extras=dict(extras or {}),
+        shim=shim,
     )
 
 

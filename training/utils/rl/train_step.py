@@ -16,7 +16,7 @@ import torch
 from training.utils.config import RLConfig
 from training.utils.rl.losses import compute_policy_loss
 from training.utils.rl.rollout.types import Datum
-from training.utils.trainer import MicroBatch, Trainer
+from training.utils.trainer import MicroBatch, Reference, Trainer
 
 
 def policy_loss_params(cfg: RLConfig) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def make_loss_fn(cfg: RLConfig):
 
 
 def anchor_and_reference(
-    policy: Trainer, reference: Trainer | None, datums_D: list[Datum], cfg: RLConfig
+    policy: Trainer, reference: Reference | None, datums_D: list[Datum], cfg: RLConfig
 ) -> tuple[dict[str, list[torch.Tensor]], dict[str, float]]:
     """Steps 1–2: per-datum reference logprobs (when kl_beta > 0) and the anchor π_old with entropy.
 

@@ -4,7 +4,8 @@
 - `source.DurableRowSource`: dataset rows in cursor order; rows durable only when safe.
 - `producer.RolloutProducer`: the asyncio task that admits rows, runs draws, settles groups.
 - `coordinator.BatchCoordinator`: accepted groups → batches → chunks for the trainer.
-- `worker.TrainerWorker`: the one thread all model work runs on.
+- `worker.TrainerWorker`: the one thread all model work runs on; under torchrun it also
+  announces each call to the other ranks, which make it too.
 - `errors`: circuit breaker and stall error; `telemetry`: version offsets and `perf/*`.
 """
 

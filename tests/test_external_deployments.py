@@ -1,0 +1,768 @@
+"""External deployments: vLLM / SGLang / OpenAI-compatible protocols, weight syncs, start-up checks.
+
+No real server runs here. The response fixtures below are written from each server's documentation
+(the version is named next to each), and `FakeServer` implements the documented endpoints for these
+tests only, recording every request so the tests can check the request shapes and their order.
+The NCCL weight syncs run against a recording broadcaster; their data plane is untested here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp import web
+from pydantic import ValidationError
+from safetensors.torch import load_file
+
+from training.utils.config import DeploymentConfig, RLConfig
+from training.utils.deploy import ExternalDeployment, Sampler, start_deployment
+from training.utils.deploy.external import (
+    SGLANG_GROUP_NAME,
+    NCCLBroadcaster,
+    SGLangWeightSync,
+    VLLMWeightSync,
+    connect_external_deployment,
+)
+from training.utils.deploy.protocols import PROTOCOLS
+from training.utils.errors import DeploymentError, RecoverableDeploymentError
+from training.utils.rl.setup import make_rollout_setup
+from training.utils.tiny_model import make_test_tokenizer, tiny_config
+
+PROMPT = [1, 2, 3]
+
+# ---- response fixtures -----------------------------------------------------------------------------
+
+# vLLM >= 0.10.2, POST /v1/completions with {"prompt": [1, 2, 3], "n": 2, "logprobs": 0,
+# "return_token_ids": true}: each choice carries `token_ids` (output only) and `prompt_token_ids`
+# (vLLM's CompletionResponseChoice). Choices may come in any order; `index` orders them.
+VLLM_COMPLETION = {
+    "id": "cmpl-0",
+    "object": "text_completion",
+    "created": 1700000000,
+    "model": "served-model",
+    "choices": [
+        {
+            "index": 1,
+            "text": " b",
+            "logprobs": {
+                "text_offset": [0, 2],
+                "token_logprobs": [-0.5, -0.25],
+                "tokens": ["Ġb", "<|im_end|>"],
+                "top_logprobs": [{"Ġb": -0.5}, {"<|im_end|>": -0.25}],
+            },
+            "finish_reason": "stop",
+            "stop_reason": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": PROMPT,
+            "token_ids": [20, 2],
+        },
+        {
+            "index": 0,
+            "text": " a c d",
+            "logprobs": {
+                "text_offset": [0, 2, 4],
+                "token_logprobs": [-1.0, -2.0, -3.0],
+                "tokens": ["Ġa", "Ġc", "Ġd"],
+                "top_logprobs": [{"Ġa": -1.0}, {"Ġc": -2.0}, {"Ġd": -3.0}],
+            },
+            "finish_reason": "length",
+            "stop_reason": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": PROMPT,
+            "token_ids": [10, 11, 12],
+        },
+    ],
+    "usage": {"prompt_tokens": 3, "total_tokens": 8, "completion_tokens": 5},
+}
+
+# vLLM >= 0.10.2 with "echo": true, "prompt_logprobs": 1 (the layout of vLLM's test
+# tests/entrypoints/openai/test_return_token_ids.py): `logprobs` lists the prompt then the output,
+# and the first prompt token has no logprob (null); `prompt_logprobs` also starts with null.
+VLLM_ECHO_COMPLETION = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "created": 1700000000,
+    "model": "served-model",
+    "choices": [
+        {
+            "index": 0,
+            "text": "abc x y",
+            "logprobs": {
+                "text_offset": [0, 1, 2, 3, 5],
+                "token_logprobs": [None, -4.0, -5.0, -0.1, -0.2],
+                "tokens": ["a", "b", "c", "Ġx", "Ġy"],
+                "top_logprobs": [None, {"b": -4.0}, {"c": -5.0}, {"Ġx": -0.1}, {"Ġy": -0.2}],
+            },
+            "finish_reason": "length",
+            "stop_reason": None,
+            "prompt_logprobs": [
+                None,
+                {"2": {"logprob": -4.0, "rank": 1, "decoded_token": "b"}},
+                {"3": {"logprob": -5.0, "rank": 1, "decoded_token": "c"}},
+            ],
+            "prompt_token_ids": PROMPT,
+            "token_ids": [30, 31],
+        }
+    ],
+}
+
+# SGLang v0.5 (docs/basic_usage/native_api + sampling_params), POST /generate with
+# {"input_ids": [[1, 2, 3], [1, 2, 3]], "return_logprob": true}: a batch answers a list, one entry per
+# prompt; `meta_info.output_token_logprobs` holds [logprob, token_id, text-or-null] triples,
+# `input_token_logprobs` starts with a null logprob, `finish_reason` is an object.
+SGLANG_GENERATE = [
+    {
+        "text": " a b",
+        "output_ids": [40, 41],
+        "meta_info": {
+            "id": "rid-0",
+            "finish_reason": {"type": "length", "length": 2},
+            "prompt_tokens": 3,
+            "weight_version": "7",
+            "input_token_logprobs": [[None, 1, None], [-4.0, 2, None], [-5.0, 3, None]],
+            "output_token_logprobs": [[-0.75, 40, None], [-1.5, 41, None]],
+            "completion_tokens": 2,
+            "cached_tokens": 0,
+            "e2e_latency": 0.02,
+        },
+    },
+    {
+        "text": " c",
+        "output_ids": [42, 0],
+        "meta_info": {
+            "id": "rid-1",
+            "finish_reason": {"type": "stop", "matched": 0},
+            "prompt_tokens": 3,
+            "weight_version": "7",
+            "output_token_logprobs": [[-0.5, 42, None], [-0.125, 0, None]],
+            "completion_tokens": 2,
+            "cached_tokens": 3,
+            "e2e_latency": 0.02,
+        },
+    },
+]
+
+# A generic OpenAI-compatible server whose logprob tokens carry the ids (vLLM started with
+# --return-tokens-as-token-ids answers this way without return_token_ids).
+OPENAI_TOKEN_ID_COMPLETION = {
+    "choices": [
+        {
+            "index": 0,
+            "text": "xy",
+            "logprobs": {"token_logprobs": [-0.3, -0.6], "tokens": ["token_id:50", "token_id:51"]},
+            "finish_reason": "length",
+        }
+    ]
+}
+
+
+# ---- protocol parsing ---------------------------------------------------------------------------------
+
+
+def test_vllm_choices_parse_in_index_order_with_ids_logprobs_and_finish_reasons():
+    a, b = PROTOCOLS["vllm"].parse(VLLM_COMPLETION, PROMPT)
+    assert (a.output_ids, a.logprobs, a.finish_reason, a.text) == ([10, 11, 12], [-1.0, -2.0, -3.0], "length", " a c d")
+    assert (b.output_ids, b.logprobs, b.finish_reason) == ([20, 2], [-0.5, -0.25], "stop")
+    assert a.versions == [-1, -1, -1] and a.prompt_ids == PROMPT  # vLLM reports no version per request
+
+
+def test_vllm_echoed_prompt_layout_keeps_only_the_output_logprobs():
+    (c,) = PROTOCOLS["vllm"].parse(VLLM_ECHO_COMPLETION, PROMPT)
+    assert c.output_ids == [30, 31]
+    assert c.logprobs == [-0.1, -0.2]  # not the prompt's [None, -4.0, -5.0]
+    assert c.prompt_ids == PROMPT
+
+
+def test_vllm_malformed_responses_raise_clear_errors():
+    proto = PROTOCOLS["vllm"]
+    no_ids = {"choices": [dict(VLLM_COMPLETION["choices"][0], token_ids=None)]}
+    with pytest.raises(DeploymentError, match="no choices\\[\\].token_ids.*return_token_ids"):
+        proto.parse(no_ids, PROMPT)
+    null_lp = {"choices": [dict(VLLM_COMPLETION["choices"][0], logprobs={"token_logprobs": [None, -1.0]})]}
+    with pytest.raises(DeploymentError, match="malformed vllm response.*null logprob for a sampled token"):
+        proto.parse(null_lp, PROMPT)
+    short = {"choices": [dict(VLLM_COMPLETION["choices"][0], logprobs={"token_logprobs": [-1.0]})]}
+    with pytest.raises(DeploymentError, match="1 token_logprobs for 2 output tokens"):
+        proto.parse(short, PROMPT)
+    odd_reason = {"choices": [dict(VLLM_COMPLETION["choices"][0], finish_reason="tool_calls")]}
+    with pytest.raises(DeploymentError, match="unknown finish_reason 'tool_calls'"):
+        proto.parse(odd_reason, PROMPT)
+    with pytest.raises(DeploymentError, match="malformed vllm response"):
+        proto.parse({"object": "error"}, PROMPT)
+
+
+def test_sglang_batch_parses_triples_finish_reason_objects_and_weight_version():
+    a, b = PROTOCOLS["sglang"].parse(SGLANG_GENERATE, PROMPT)
+    assert (a.output_ids, a.logprobs, a.finish_reason, a.versions) == ([40, 41], [-0.75, -1.5], "length", [7, 7])
+    assert (b.output_ids, b.logprobs, b.finish_reason) == ([42, 0], [-0.5, -0.125], "stop")
+    assert a.prompt_ids == PROMPT and a.text == " a b"
+
+
+@pytest.mark.parametrize(
+    "reason, expected",
+    [
+        ({"type": "length", "length": 2}, "length"),
+        ({"type": "stop", "matched": 0}, "stop"),  # a stop token id
+        ({"type": "stop", "matched": "\n\n"}, "stop"),  # a stop string
+        ({"type": "abort", "message": "aborted by pause_generation"}, "abort"),
+        ("length", "length"),
+    ],
+)
+def test_sglang_finish_reasons_map_to_ours(reason, expected):
+    entry = dict(SGLANG_GENERATE[0], meta_info=dict(SGLANG_GENERATE[0]["meta_info"], finish_reason=reason))
+    (c,) = PROTOCOLS["sglang"].parse(entry, PROMPT)  # a single prompt answers one object
+    assert c.finish_reason == expected
+
+
+def test_sglang_default_weight_version_is_unknown_and_malformed_entries_raise():
+    meta = dict(SGLANG_GENERATE[0]["meta_info"], weight_version="default")
+    (c,) = PROTOCOLS["sglang"].parse(dict(SGLANG_GENERATE[0], meta_info=meta), PROMPT)
+    assert c.versions == [-1, -1]
+    disagree = dict(SGLANG_GENERATE[0], output_ids=[40, 99])
+    with pytest.raises(DeploymentError, match="output_ids disagree"):
+        PROTOCOLS["sglang"].parse(disagree, PROMPT)
+    null = dict(SGLANG_GENERATE[0], meta_info=dict(meta, output_token_logprobs=[[None, 40, None]]))
+    with pytest.raises(DeploymentError, match="null logprob"):
+        PROTOCOLS["sglang"].parse(null, PROMPT)
+    with pytest.raises(DeploymentError, match="malformed sglang response.*meta_info"):
+        PROTOCOLS["sglang"].parse({"text": "x"}, PROMPT)
+
+
+def test_openai_ids_come_from_token_ids_or_token_id_strings_and_never_from_text():
+    proto = PROTOCOLS["openai"]
+    (c,) = proto.parse(OPENAI_TOKEN_ID_COMPLETION, PROMPT)
+    assert (c.output_ids, c.logprobs) == ([50, 51], [-0.3, -0.6])
+    echoed = {"choices": [dict(OPENAI_TOKEN_ID_COMPLETION["choices"][0], logprobs={
+        "token_logprobs": [None, -4.0, -5.0, -0.3, -0.6],
+        "tokens": ["token_id:1", "token_id:2", "token_id:3", "token_id:50", "token_id:51"],
+    })]}
+    (c,) = proto.parse(echoed, PROMPT)
+    assert (c.output_ids, c.logprobs) == ([50, 51], [-0.3, -0.6])
+    (c,) = proto.parse(VLLM_COMPLETION | {"choices": VLLM_COMPLETION["choices"][:1]}, PROMPT)
+    assert c.output_ids == [20, 2]
+    text_only = {"choices": [dict(OPENAI_TOKEN_ID_COMPLETION["choices"][0], logprobs={
+        "token_logprobs": [-0.3, -0.6], "tokens": ["x", "y"]})]}
+    with pytest.raises(DeploymentError, match="returns no token ids.*--return-tokens-as-token-ids"):
+        proto.parse(text_only, PROMPT)
+
+
+def test_request_bodies_per_protocol():
+    sampling = {"max_tokens": 5, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "stop": ["\n"],
+                "stop_token_ids": [], "seed": 3, "user": "traj-1", "timeout": 30.0}
+    vllm = PROTOCOLS["vllm"].request_body("m", PROMPT, 2, sampling)
+    assert vllm == {"model": "m", "prompt": PROMPT, "n": 2, "max_tokens": 5, "temperature": 0.7, "top_p": 1.0,
+                    "top_k": -1, "logprobs": 0, "return_token_ids": True, "stop": ["\n"], "seed": 3, "user": "traj-1"}
+    sglang = PROTOCOLS["sglang"].request_body("m", PROMPT, 2, sampling)
+    assert sglang == {"input_ids": [PROMPT, PROMPT], "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "stop": ["\n"], "sampling_seed": 3}}
+    openai = PROTOCOLS["openai"].request_body("m", PROMPT, 1, sampling)
+    assert openai == {"model": "m", "prompt": PROMPT, "n": 1, "max_tokens": 5, "temperature": 0.7, "top_p": 1.0,
+                      "logprobs": 1, "stop": ["\n"], "seed": 3, "user": "traj-1"}  # no top_k=0, no timeout
+
+
+# ---- the fake server ------------------------------------------------------------------------------------
+
+
+class FakeServer:
+    """vLLM's and SGLang's documented endpoints, in-process, for these tests only.
+
+    Every request is recorded as (method, path, JSON body or None, query dict). `routes` maps
+    (method, path) to a handler `(body, query) -> (status, payload)` or an async one; tests override
+    entries to inject failures.
+    """
+
+    def __init__(self, served=("served-model",), world_size=2, tp_size=2):
+        self.requests: list[tuple[str, str, object, dict]] = []
+        self.weight_version = "default"
+        self.served = list(served)
+        self.loaded_paths: list[str] = []
+        self.receiving = threading.Event()  # a receive call is in flight (NCCL fakes wait for it)
+        self.broadcast_done: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        ok = (200, {"message": "ok"})
+        self.routes = {
+            ("GET", "/health"): lambda b, q: (200, ""),
+            ("GET", "/v1/models"): lambda b, q: (200, {"object": "list", "data": [
+                {"id": m, "object": "model", "owned_by": "vllm"} for m in self.served]}),
+            ("POST", "/v1/completions"): lambda b, q: (200, VLLM_COMPLETION),
+            ("POST", "/generate"): lambda b, q: (200, SGLANG_GENERATE),
+            # vLLM weight transfer, VLLM_SERVER_DEV_MODE=1: the four-phase HTTP API of docs/training/weight_transfer/
+            # (vLLM 0.29+ docs; entrypoints/serve/dev/rlhf/api_router.py); the `disk` backend
+            # (update_info {"path"}) is documented on vLLM main as of 2026 (weight_transfer/disk.md).
+            ("POST", "/init_weight_transfer_engine"): self._vllm_init,
+            ("POST", "/pause"): lambda b, q: (200, {"status": "paused"}),
+            ("POST", "/resume"): lambda b, q: (200, {"status": "resumed"}),
+            ("POST", "/start_weight_update"): lambda b, q: (200, {"message": "Weight update started"}),
+            ("POST", "/update_weights"): self._vllm_update,
+            ("POST", "/finish_weight_update"): self._vllm_finish,
+            ("GET", "/weight_info"): lambda b, q: (200, {"weight_version": self.weight_version}),
+            ("GET", "/get_world_size"): lambda b, q: (200, {"world_size": world_size}),
+            # SGLang v0.5 (docs/advanced_features/sglang_for_rl.md, docs/basic_usage/native_api.ipynb).
+            ("GET", "/get_model_info"): lambda b, q: (200, {
+                "model_path": "/models/policy", "tokenizer_path": "/models/policy", "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": self.weight_version,
+                "has_image_understanding": False, "has_audio_understanding": False}),
+            ("GET", "/get_server_info"): lambda b, q: (200, {"tp_size": tp_size, "dp_size": 1, "pp_size": 1}),
+            ("POST", "/update_weights_from_disk"): self._sglang_from_disk,
+            ("POST", "/init_weights_update_group"): self._sglang_init_group,
+            ("POST", "/update_weights_from_distributed"): self._sglang_from_distributed,
+            ("POST", "/destroy_weights_update_group"): lambda b, q: (200, {"success": True, "message": "ok"}),
+            ("POST", "/pause_generation"): lambda b, q: ok,
+            ("POST", "/continue_generation"): lambda b, q: ok,
+        }
+
+    # vLLM
+    def _vllm_init(self, body, query):
+        if body.get("init_info") is None:
+            return 400, {"detail": "Missing 'init_info' in request body"}
+        return self._wait_for_peer(body, {"message": "Weight transfer initialized"}) if body["init_info"] else (
+            200, {"message": "Weight transfer initialized"})
+
+    def _vllm_update(self, body, query):
+        info = body.get("update_info")
+        if info is None:
+            return 400, {"detail": "Missing 'update_info' in request body"}
+        if "path" in info:
+            self.loaded_paths.append(info["path"])
+            return 200, {"message": "Weights updated"}
+        return self._wait_for_peer(body, {"message": "Weights updated"})
+
+    def _vllm_finish(self, body, query):
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+        return 200, {"message": "Weight update finished"}
+
+    # SGLang
+    def _sglang_from_disk(self, body, query):
+        path = Path(body["model_path"])
+        if not (path / "model.safetensors").exists():
+            return 400, {"success": False, "message": f"Failed to get weights iterator: {path} (repository not found)."}
+        self.loaded_paths.append(str(path))
+        self.weight_version = body.get("weight_version") or self.weight_version
+        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def _sglang_init_group(self, body, query):
+        return self._wait_for_peer(body, {"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def _sglang_from_distributed(self, body, query):
+        status, payload = await self._wait_for_peer(body, {"success": True, "message": "Succeeded to update model weights."})
+        if status == 200:
+            self.weight_version = body.get("weight_version") or self.weight_version
+        return status, payload
+
+    async def _wait_for_peer(self, body, reply):
+        """Like a real receiver, answer only after the trainer's side of the NCCL call ran."""
+        self.receiving.set()
+        try:
+            await asyncio.wait_for(self.broadcast_done.wait(), 5)
+        except TimeoutError:
+            return 500, {"success": False, "message": "the trainer never joined the NCCL call"}
+        finally:
+            self.receiving.clear()
+        self.broadcast_done.clear()
+        return 200, reply
+
+    def peer_done(self):
+        self.loop.call_soon_threadsafe(self.broadcast_done.set)
+
+    def paths(self) -> list[str]:
+        return [f"{m} {p}" for m, p, _, _ in self.requests]
+
+    def bodies(self, path: str) -> list:
+        return [b for _, p, b, _ in self.requests if p == path]
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else None
+        self.requests.append((request.method, request.path, body, dict(request.query)))
+        handler = self.routes.get((request.method, request.path))
+        if handler is None:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        result = handler(body, dict(request.query))
+        status, payload = await result if asyncio.iscoroutine(result) else result
+        if payload == "":
+            return web.Response(status=status)
+        return web.json_response(payload, status=status)
+
+
+@contextlib.asynccontextmanager
+async def fake_server(**kwargs):
+    server = FakeServer(**kwargs)
+    server.loop = asyncio.get_running_loop()
+    server.broadcast_done = asyncio.Event()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", server._handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        yield server
+    finally:
+        await runner.cleanup()
+
+
+class RecordingBroadcaster(NCCLBroadcaster):
+    """Stands in for the NCCL group: records what would go on the wire, and (like NCCL) only
+    completes while the server's receiving call is in flight."""
+
+    def __init__(self, server: FakeServer):
+        self.server = server
+        self.joined = None
+        self.sent: list[list[torch.Tensor]] = []
+        self.closed = False
+
+    def _meet(self):
+        if not self.server.receiving.wait(5):
+            raise RuntimeError("no server call was receiving: the HTTP call and the NCCL op did not overlap")
+        self.server.peer_done()
+
+    def rendezvous(self, master_address, master_port, world_size, timeout_s):
+        self.joined = (master_address, master_port, world_size)
+        self._meet()
+
+    def broadcast(self, tensors):
+        self.sent.append([t.clone() for t in tensors])
+        self._meet()
+
+    def close(self):
+        self.closed = True
+
+
+def external_cfg(kind: str, url: str, **kw) -> DeploymentConfig:
+    return DeploymentConfig(kind=kind, base_url=url, connect_timeout_s=2, **kw)
+
+
+def small_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"model.embed_tokens.weight": torch.randn(8, 4, generator=g),
+            "model.norm.weight": torch.randn(4, generator=g).to(torch.bfloat16)}
+
+
+# ---- sampling through the Sampler ------------------------------------------------------------------------
+
+
+def test_sampler_speaks_each_protocol_against_the_fake_server():
+    async def main():
+        async with fake_server() as server:
+            out = {}
+            for kind in ("vllm", "sglang"):
+                sampler = Sampler(server.url, "served-model", protocol=kind, backoff_s=0.01)
+                try:
+                    out[kind] = await sampler.sample(PROMPT, 2, max_tokens=3, timeout=5)
+                finally:
+                    await sampler.close()
+            return server, out
+
+    server, out = asyncio.run(main())
+    assert [c.output_ids for c in out["vllm"]] == [[10, 11, 12], [20, 2]]
+    assert [c.output_ids for c in out["sglang"]] == [[40, 41], [42, 0]]
+    assert server.paths() == ["POST /v1/completions", "POST /generate"]
+    assert server.bodies("/generate")[0]["input_ids"] == [PROMPT, PROMPT]
+
+
+def test_sampler_retries_5xx_then_succeeds_and_reports_4xx_detail_without_retrying():
+    async def main():
+        async with fake_server() as server:
+            calls = []
+
+            def flaky(body, query):
+                calls.append(body)
+                if body["sampling_params"]["max_new_tokens"] == 99:
+                    return 400, {"detail": "max_new_tokens is too large"}
+                return (503, {"message": "loading"}) if len(calls) < 3 else (200, SGLANG_GENERATE[:1])
+
+            server.routes[("POST", "/generate")] = flaky
+            sampler = Sampler(server.url, "m", protocol="sglang", max_retries=3, backoff_s=0.01)
+            try:
+                (c,) = await sampler.sample(PROMPT, 1, max_tokens=2, timeout=5)
+                with pytest.raises(DeploymentError, match="HTTP 400: max_new_tokens is too large") as info:
+                    await sampler.sample(PROMPT, 1, max_tokens=99, timeout=5)
+                assert not isinstance(info.value, RecoverableDeploymentError)
+                server.routes[("POST", "/generate")] = lambda b, q: (502, {"message": "bad gateway"})
+                with pytest.raises(RecoverableDeploymentError, match="after 4 attempts.*HTTP 502: bad gateway"):
+                    await sampler.sample(PROMPT, 1, max_tokens=2, timeout=5)
+            finally:
+                await sampler.close()
+            return c, len(calls)
+
+    c, n_calls = asyncio.run(main())
+    assert c.output_ids == [40, 41]
+    assert n_calls == 4  # two 503s, one success, one 400 (not retried)
+
+
+def test_sampler_raises_on_a_malformed_200_and_on_a_wrong_number_of_completions():
+    async def main():
+        async with fake_server() as server:
+            sampler = Sampler(server.url, "served-model", protocol="vllm", backoff_s=0.01)
+            try:
+                server.routes[("POST", "/v1/completions")] = lambda b, q: (200, {"choices": [{"index": 0}]})
+                with pytest.raises(DeploymentError, match="malformed vllm response"):
+                    await sampler.sample(PROMPT, 1, max_tokens=2, timeout=5)
+                server.routes[("POST", "/v1/completions")] = lambda b, q: (200, VLLM_COMPLETION)
+                with pytest.raises(DeploymentError, match="asked for n=3 completions, the server returned 2"):
+                    await sampler.sample(PROMPT, 3, max_tokens=2, timeout=5)
+            finally:
+                await sampler.close()
+
+    asyncio.run(main())
+
+
+# ---- start-up -------------------------------------------------------------------------------------------
+
+
+def _closed_port_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_unreachable_server_fails_at_start_up_naming_the_url():
+    url = _closed_port_url()
+    cfg = DeploymentConfig(kind="vllm", base_url=url, connect_timeout_s=0.5)
+    with pytest.raises(DeploymentError, match=f"the vllm server at {url} is unreachable: GET {url}/health"):
+        asyncio.run(connect_external_deployment(cfg, None, "policy"))
+
+
+def test_connect_waits_for_a_loading_server_and_resolves_the_served_model_name():
+    async def main():
+        async with fake_server(served=("Qwen/Qwen2.5-0.5B",)) as server:
+            health = iter([(503, {"message": "loading"}), (503, {"message": "loading"})])
+            server.routes[("GET", "/health")] = lambda b, q: next(health, (200, ""))
+            dep = await connect_external_deployment(external_cfg("sglang", server.url), None, "policy")
+            try:
+                (c, _) = await dep.sampler.sample(PROMPT, 2, max_tokens=2, timeout=5)
+            finally:
+                await dep.close()
+            server.served = ["a", "b"]
+            with pytest.raises(DeploymentError, match=r"serves \['a', 'b'\], not 'policy'"):
+                await connect_external_deployment(external_cfg("vllm", server.url), None, "policy")
+            return dep, c, server
+
+    dep, c, server = asyncio.run(main())
+    assert isinstance(dep, ExternalDeployment)
+    assert (dep.model_name, dep.base_url, dep.version) == ("Qwen/Qwen2.5-0.5B", server.url, 0)
+    assert c.output_ids == [40, 41]
+    assert server.paths()[:5] == ["GET /health"] * 3 + ["GET /v1/models", "GET /get_model_info"]
+
+
+def test_vllm_without_dev_mode_fails_at_start_up_with_the_launch_fix():
+    async def main():
+        async with fake_server() as server:
+            del server.routes[("POST", "/init_weight_transfer_engine")]  # a server without VLLM_SERVER_DEV_MODE=1
+            with pytest.raises(DeploymentError, match="HTTP 404.*VLLM_SERVER_DEV_MODE=1.*\"backend\": \"disk\""):
+                await connect_external_deployment(external_cfg("vllm", server.url), None, "served-model")
+
+    asyncio.run(main())
+
+
+def test_openai_kind_refuses_a_server_that_gives_no_token_ids_at_start_up():
+    tok = make_test_tokenizer()
+
+    async def main():
+        async with fake_server() as server:
+            text_only = {"choices": [{"index": 0, "text": "x", "finish_reason": "length",
+                                      "logprobs": {"token_logprobs": [-0.1], "tokens": ["x"]}}]}
+            server.routes[("POST", "/v1/completions")] = lambda b, q: (200, text_only)
+            with pytest.raises(DeploymentError, match="kind='openai' at .* cannot be trained against.*no token ids"):
+                await connect_external_deployment(external_cfg("openai", server.url), tok, "served-model")
+            server.routes[("POST", "/v1/completions")] = lambda b, q: (200, OPENAI_TOKEN_ID_COMPLETION)
+            dep = await connect_external_deployment(external_cfg("openai", server.url), tok, "served-model")
+            metrics = await dep.weight_sync.sync(small_state(0), 1)
+            await dep.close()
+            return server, dep, metrics
+
+    server, dep, metrics = asyncio.run(main())
+    probe = server.bodies("/v1/completions")[-1]
+    assert probe["prompt"] == tok.encode("Hello", add_special_tokens=False) and probe["max_tokens"] == 1
+    assert "return_token_ids" not in probe and "top_k" not in probe
+    assert dep.version == 0 and metrics == {"weight_sync_time": 0.0}  # weight_sync='none'
+
+
+def test_start_deployment_picks_external_and_the_rollout_setup_uses_it(tmp_path):
+    policy = types.SimpleNamespace(config=tiny_config(260))  # an external kind never copies the model
+    tok = make_test_tokenizer()
+
+    async def main():
+        async with fake_server() as server:
+            cfg = RLConfig(model="local-dir", deployment=external_cfg("vllm", server.url, weight_dir=str(tmp_path)))
+            dep = await start_deployment(policy, tok, cfg.deployment, model_name=cfg.model, sampling_timeout_s=5)
+            setup = make_rollout_setup(cfg, tok, dep, None)
+            await dep.weight_sync.sync(small_state(0), 1)
+            await dep.close()
+            return dep, setup
+
+    dep, setup = asyncio.run(main())
+    assert isinstance(dep, ExternalDeployment) and dep.version == 1
+    assert setup.sampler is dep.sampler and setup.inference_base_url == dep.base_url
+    assert setup.model_name == "served-model"  # what the server serves, not the trainer's path
+    assert (tmp_path / "step_1" / "config.json").exists()
+
+
+# ---- weight sync over disk -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inflight, mode", [("continue_new", "keep"), ("finish_old", "wait")])
+def test_vllm_disk_sync_request_sequence_files_and_version(tmp_path, inflight, mode):
+    config = tiny_config(260)
+
+    async def main():
+        async with fake_server() as server:
+            sync = VLLMWeightSync(server.url, transport="disk", directory=tmp_path, model_config=config,
+                                  inflight_on_sync=inflight, timeout_s=5)
+            await sync.init()
+            first = await sync.sync(small_state(1), 1)
+            await sync.sync(small_state(2), 2)
+            return server, sync, first
+
+    server, sync, first = asyncio.run(main())
+    step = ["POST /pause", "POST /start_weight_update", "POST /update_weights", "POST /finish_weight_update",
+            "POST /resume", "GET /weight_info"]
+    assert server.paths() == ["POST /init_weight_transfer_engine"] + step + step
+    assert server.bodies("/init_weight_transfer_engine") == [{"init_info": {}}]
+    assert [q for _, p, _, q in server.requests if p == "/pause"] == [{"mode": mode}] * 2
+    assert server.bodies("/update_weights") == [{"update_info": {"path": str(tmp_path.resolve() / f"step_{v}")}}
+                                                for v in (1, 2)]
+    assert server.bodies("/finish_weight_update") == [{"weight_version": "1"}, {"weight_version": "2"}]
+    assert sync.version == 2
+    assert not (tmp_path / "step_1").exists()  # pruned after step 2 loaded
+    loaded = load_file(str(tmp_path / "step_2" / "model.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in small_state(2).items())
+    assert (tmp_path / "step_2" / "config.json").exists()
+    assert set(first) == {"weight_sync_time", "weight_sync_write_time", "weight_sync_bytes"}
+
+
+def test_vllm_sync_fails_when_the_served_version_does_not_move(tmp_path):
+    async def main():
+        async with fake_server() as server:
+            server.routes[("POST", "/finish_weight_update")] = lambda b, q: (200, {"message": "finished"})
+            sync = VLLMWeightSync(server.url, transport="disk", directory=tmp_path, timeout_s=5)
+            with pytest.raises(DeploymentError, match="reports weight_version 'default', expected '1'"):
+                await sync.sync(small_state(1), 1)
+            return sync
+
+    assert asyncio.run(main()).version == 0
+
+
+def test_sglang_disk_sync_finish_old_needs_no_pause(tmp_path):
+    async def main():
+        async with fake_server() as server:
+            sync = SGLangWeightSync(server.url, transport="disk", directory=tmp_path, inflight_on_sync="finish_old",
+                                    model_config=tiny_config(260), timeout_s=5)
+            await sync.sync(small_state(1), 3)
+            return server, sync
+
+    server, sync = asyncio.run(main())
+    assert server.paths() == ["POST /update_weights_from_disk", "GET /get_model_info"]
+    assert server.bodies("/update_weights_from_disk") == [
+        {"model_path": str(tmp_path.resolve() / "step_3"), "weight_version": "3"}]
+    assert sync.version == 3 and server.weight_version == "3"
+
+
+def test_sglang_disk_sync_continue_new_pauses_and_a_failed_load_still_resumes(tmp_path):
+    async def main():
+        async with fake_server() as server:
+            sync = SGLangWeightSync(server.url, transport="disk", directory=tmp_path, inflight_on_sync="continue_new",
+                                    timeout_s=5)
+            await sync.sync(small_state(1), 1)
+            server.routes[("POST", "/update_weights_from_disk")] = lambda b, q: (
+                400, {"success": False, "message": "Failed to get weights iterator: shapes differ"})
+            with pytest.raises(DeploymentError, match="HTTP 400: Failed to get weights iterator: shapes differ"):
+                await sync.sync(small_state(2), 2)
+            return server, sync
+
+    server, sync = asyncio.run(main())
+    step = ["POST /pause_generation", "POST /update_weights_from_disk", "POST /continue_generation"]
+    assert server.paths() == step + ["GET /get_model_info"] + step  # the failed load still continues generation
+    assert server.bodies("/pause_generation") == [{"mode": "retract"}] * 2
+    assert sync.version == 1
+
+
+# ---- weight sync over NCCL (request shapes only; the data plane is untested on hardware) ---------------------
+
+
+def test_sglang_nccl_sync_request_sequence_and_broadcast_order():
+    state = small_state(3)
+
+    async def main():
+        async with fake_server(tp_size=2) as server:
+            broadcaster = RecordingBroadcaster(server)
+            sync = SGLangWeightSync(server.url, transport="nccl", broadcaster=broadcaster, timeout_s=5,
+                                    master_address="10.0.0.5", master_port=29555, inflight_on_sync="finish_old")
+            await sync.init()
+            await sync.sync(state, 4)
+            await sync.close()
+            return server, sync, broadcaster
+
+    server, sync, broadcaster = asyncio.run(main())
+    assert server.paths() == ["GET /get_server_info", "POST /init_weights_update_group",
+                              "POST /update_weights_from_distributed", "GET /get_model_info",
+                              "POST /destroy_weights_update_group"]
+    assert server.bodies("/init_weights_update_group") == [{
+        "master_address": "10.0.0.5", "master_port": 29555, "rank_offset": 1, "world_size": 3,
+        "group_name": SGLANG_GROUP_NAME, "backend": "nccl"}]
+    assert broadcaster.joined == ("10.0.0.5", 29555, 3)
+    assert server.bodies("/update_weights_from_distributed") == [{
+        "names": ["model.embed_tokens.weight", "model.norm.weight"], "dtypes": ["float32", "bfloat16"],
+        "shapes": [[8, 4], [4]], "group_name": SGLANG_GROUP_NAME, "weight_version": "4"}]
+    (sent,) = broadcaster.sent
+    assert all(torch.equal(a, b) for a, b in zip(sent, state.values(), strict=True))
+    assert server.bodies("/destroy_weights_update_group") == [{"group_name": SGLANG_GROUP_NAME}]
+    assert sync.version == 4 and broadcaster.closed
+
+
+def test_vllm_nccl_sync_request_sequence_and_broadcast_order():
+    state = small_state(4)
+
+    async def main():
+        async with fake_server(world_size=2) as server:
+            broadcaster = RecordingBroadcaster(server)
+            sync = VLLMWeightSync(server.url, transport="nccl", broadcaster=broadcaster, timeout_s=5,
+                                  master_address="10.0.0.5", master_port=29556)
+            await sync.init()
+            await sync.sync(state, 2)
+            return server, sync, broadcaster
+
+    server, sync, broadcaster = asyncio.run(main())
+    assert server.paths() == ["GET /get_world_size", "POST /init_weight_transfer_engine", "POST /pause",
+                              "POST /start_weight_update", "POST /update_weights", "POST /finish_weight_update",
+                              "POST /resume", "GET /weight_info"]
+    assert server.bodies("/init_weight_transfer_engine") == [{"init_info": {
+        "master_address": "10.0.0.5", "master_port": 29556, "rank_offset": 1, "world_size": 3}}]
+    assert server.bodies("/update_weights") == [{"update_info": {
+        "names": ["model.embed_tokens.weight", "model.norm.weight"], "dtype_names": ["float32", "bfloat16"],
+        "shapes": [[8, 4], [4]]}}]
+    assert broadcaster.joined == ("10.0.0.5", 29556, 3)
+    (sent,) = broadcaster.sent
+    assert all(torch.equal(a, b) for a, b in zip(sent, state.values(), strict=True))
+    assert sync.version == 2
+
+
+# ---- config ---------------------------------------------------------------------------------------------------
+
+
+def test_deployment_config_kinds_defaults_and_combinations():
+    assert DeploymentConfig().weight_sync == "in_process"
+    assert DeploymentConfig(kind="vllm", base_url="http://h:8000").weight_sync == "disk"
+    assert DeploymentConfig(kind="sglang", base_url="http://h:30000", weight_sync="nccl").weight_sync == "nccl"
+    assert DeploymentConfig(kind="openai", base_url="https://api.example.com").weight_sync == "none"
+    bad = [
+        (dict(kind="vllm"), "needs deployment.base_url"),
+        (dict(kind="vllm", base_url="http://h:8000/v1"), "without '/v1'"),
+        (dict(kind="sglang", base_url="h:30000"), "root URL"),
+        (dict(kind="vllm", base_url="http://h:8000", weight_sync="in_process"), "not available with kind='vllm'"),
+        (dict(kind="openai", base_url="http://h:8000", weight_sync="disk"), "not available with kind='openai'"),
+        (dict(weight_sync="nccl"), "is for external servers"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValidationError, match=message):
+            DeploymentConfig(**kwargs)

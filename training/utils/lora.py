@@ -1,0 +1,107 @@
+"""LoRA adapters (peft) for the policy trainer.
+
+With `TrainerConfig.lora_rank > 0` the `Trainer` wraps its model with peft and trains only
+low-rank adapters on the projections named by `lora_target_modules`; every base weight stays
+frozen and bit-identical. That gives three things without a second copy of the model:
+
+- the reference: the initial policy *is* the base model, so the KL reference is the policy's
+  own module run with its adapters disabled (`adapters_disabled`);
+- inference: `merged_state_dict` returns `W + (lora_alpha / lora_rank)·B·A` under the base
+  model's parameter names, so weight sync (in-process and disk) and `save_hf` see an ordinary
+  Hugging Face state dict, and `standalone_copy` gives a deployment a plain merged model;
+- checkpoints: the adapters are the only trainable parameters, so only they (and their
+  optimizer state) are saved; the base comes from `cfg.model` again on resume.
+
+Every deployment receives merged full weights. Sending only the adapters (vLLM's and SGLang's
+LoRA-loading endpoints, a fraction of the bytes per sync) is future work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from training.utils.errors import ConfigError
+
+ADAPTER = "default"
+"""The one adapter the trainer creates (peft's default name)."""
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """Whether `model` is a peft-wrapped model (without importing peft when it is not)."""
+    return type(model).__module__.startswith("peft.")
+
+
+def wrap_with_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float,
+                   target_modules: list[str]) -> torch.nn.Module:
+    """`model` wrapped by peft with one adapter; the base parameters are frozen, the adapters trainable.
+
+    peft initialises B = 0, so the wrapped model computes exactly what `model` did. Adapters of
+    a bfloat16/float16 model are kept in float32 (peft's `autocast_adapter_dtype`).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    missing = [name for name in target_modules if not _has_linear(model, name)]
+    if missing:
+        raise ConfigError(
+            f"trainer.lora_target_modules names {missing}, which match no linear layer of this model; "
+            f"its linear layers are {sorted(_linear_names(model))}"
+        )
+    lora_cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                          bias="none", task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        # peft probes the deprecated `is_gradient_checkpointing` property of transformers.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, lora_cfg)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model` as its base model: adapters skipped (not merged and unmerged, so exact)."""
+    with model.disable_adapter():
+        yield
+
+
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The base model's state dict with each adapter merged in: `W + scaling·B·A`, base names.
+
+    Weights without an adapter are the live tensors (not copied); merged ones are new tensors
+    in the base weight's dtype (the sum is taken in float32, then rounded once).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    merged: dict[str, Tensor] = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        merged[name.replace(".base_layer.", ".")] = tensor.detach()
+    for module_name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            weight = module.get_base_layer().weight
+            delta = module.get_delta_weight(ADAPTER)
+            merged[f"{module_name}.weight"] = (weight.float() + delta.float()).to(weight.dtype)
+    return merged
+
+
+def standalone_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy an inference engine can own: for a LoRA model, the plain base class with the
+    adapters merged in (base parameter names, no adapter layers)."""
+    duplicate = copy.deepcopy(model)
+    if is_lora(duplicate):
+        duplicate = duplicate.merge_and_unload()
+    return duplicate
+
+
+def _linear_names(model: torch.nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _has_linear(model: torch.nn.Module, target: str) -> bool:
+    return target in _linear_names(model)

@@ -1,0 +1,516 @@
+"""The agent shim: an aiohttp server that unmodified agents use as their model, and its session API.
+
+    shim = AgentShim(deployment.sampler, tokenizer, cfg.agent_shim, setup.sample_kwargs)
+    await shim.start()
+    session = shim.open_session(run_id="row-3/draw-1")
+    # run the agent with  ANTHROPIC_BASE_URL=session.base_url  ANTHROPIC_API_KEY=session.key
+    #                 or  OPENAI_BASE_URL=session.base_url + "/v1"  OPENAI_API_KEY=session.key
+    run = await shim.finish_session(session.key, reward=1.0)   # a RolloutRun, or None
+    await shim.close()
+
+Endpoints: `POST /v1/messages` (Anthropic, JSON or SSE), `POST /v1/messages/count_tokens`,
+`POST /v1/chat/completions` (OpenAI, JSON or SSE), `GET /v1/models`, `GET /healthz`.
+The session key comes from `Authorization: Bearer <key>`, then `x-api-key`, then
+`x-multi-turn-session-id`; an unknown or closed session is a 401 and sessions never merge.
+
+One model request, in its session's queue (`session.py` has the per-session steps):
+
+1. translate the body (`wire_anthropic` / `wire_openai`); a bad request is a 4xx in the wire's
+   error shape and touches no session state;
+2. resolve the turn's parent and render its prompt (`ShimSession.prepare`); no room left in
+   the context is a 400 `context_length_exceeded`;
+3. sample token-in/token-out with the trainer's sampling parameters and the session's
+   affinity key; a failed or timed-out sampler call is a 503;
+4. check the answer against the prompt sent (`check_turn`): a broken trace is a 503, counted
+   as an integrity failure, never zero-filled;
+5. parse the reply, build the wire response, stage the record (a failure is a 503
+   "trace recording failed");
+6. send it (JSON, or SSE events), and record the turn only once its content reached the
+   client: a client gone before that leaves nothing recorded.
+
+Every await is bounded by `request_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import aiohttp
+from aiohttp import web
+
+from training.utils.config import AgentShimConfig
+from training.utils.errors import DeploymentError, RecoverableRolloutError
+from training.utils.rl.agent.chat_format import ChatFormat, ChatRequest, WireError
+from training.utils.rl.agent.session import (
+    COUNTERS,
+    ContextOverflowError,
+    QueueTimeoutError,
+    SessionTimeoutError,
+    ShimSession,
+    StagedTurn,
+)
+from training.utils.rl.agent.wire_anthropic import (
+    anthropic_assistant_message,
+    anthropic_error_body,
+    anthropic_request,
+    anthropic_response,
+    anthropic_sse_events,
+    new_message_id,
+)
+from training.utils.rl.agent.wire_openai import (
+    new_completion_id,
+    openai_assistant_message,
+    openai_error_body,
+    openai_request,
+    openai_response,
+    openai_sse_chunks,
+)
+from training.utils.rl.rollout.stitching import Segment, TraceIntegrityError, check_turn, segments_to_run
+from training.utils.rl.rollout.types import RolloutRun
+
+logger = logging.getLogger(__name__)
+
+SESSION_HEADERS = ("authorization", "x-api-key", "x-multi-turn-session-id")
+"""Where the session key is read from, in this order (`Authorization` as `Bearer <key>`)."""
+
+# Closed keys remembered so a late request hears "session is closed" rather than "unknown".
+_CLOSED_KEYS_KEPT = 10_000
+
+# What a sampler call may fail with that is the deployment's fault, not the request's.
+_SAMPLING_FAILURES = (DeploymentError, RecoverableRolloutError, TimeoutError, ConnectionError, aiohttp.ClientError)
+
+
+class _Reject(Exception):
+    """An HTTP error answer, rendered in the wire format of the route that raised it."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class _Wire:
+    """One wire format's translation functions."""
+
+    name: str
+    parse: Callable[[Any], ChatRequest]
+    respond: Callable[..., dict]
+    """(parsed, response_id, *, model, finish_reason, prompt_tokens, output_tokens) -> response body"""
+    sse: Callable[[dict], list[bytes]]
+    """response -> stream events; the last two close the stream (Anthropic message_delta + message_stop,
+    OpenAI finish chunk + [DONE]), everything before them is the reply's content"""
+    echo: Callable[[dict], dict]
+    """response -> the assistant chat message a client sends back for it"""
+    new_id: Callable[[], str]
+
+    def error(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
+        if self.name == "anthropic":
+            body = anthropic_error_body(status, message)
+        else:
+            body = openai_error_body(status, message, param=param, code=code)
+        return web.json_response(body, status=status)
+
+
+ANTHROPIC = _Wire(
+    "anthropic",
+    anthropic_request,
+    lambda parsed, response_id, **kw: anthropic_response(parsed, message_id=response_id, **kw),
+    anthropic_sse_events,
+    anthropic_assistant_message,
+    new_message_id,
+)
+OPENAI = _Wire(
+    "openai",
+    openai_request,
+    lambda parsed, response_id, **kw: openai_response(parsed, completion_id=response_id, **kw),
+    openai_sse_chunks,
+    openai_assistant_message,
+    new_completion_id,
+)
+
+
+class AgentShim:
+    """Serves agent sessions over HTTP and turns each session's turns into training segments.
+
+    `sampler` is the deployment's token-in/token-out client (`deployment.sampler`);
+    `sample_kwargs` the trainer's sampling parameters (`setup.sample_kwargs`: max_tokens,
+    temperature, top_p, top_k, stop, timeout), which override whatever a client asks for
+    except a smaller max_tokens and extra stop sequences. `chat_format` renders prompts
+    (default: `ChatFormat(tokenizer)`, the tokenizer's own chat template).
+    """
+
+    def __init__(
+        self,
+        sampler: Any,
+        tokenizer: Any,
+        cfg: AgentShimConfig,
+        sample_kwargs: dict[str, Any],
+        *,
+        chat_format: ChatFormat | None = None,
+        model_name: str = "policy",
+    ):
+        if "max_tokens" not in sample_kwargs:
+            raise ValueError("sample_kwargs needs max_tokens (the trainer's cap on one reply)")
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.sample_kwargs = dict(sample_kwargs)
+        self.chat_format = chat_format if chat_format is not None else ChatFormat(tokenizer)
+        self.model_name = model_name
+        """Reported by `GET /v1/models` and in replies to clients that send no model name."""
+        self.base_url: str | None = None
+        self._runner: web.AppRunner | None = None
+        self._sessions: dict[str, ShimSession] = {}
+        self._closed_keys: OrderedDict[str, None] = OrderedDict()
+        self._finished_totals: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._sessions_finished = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> str:
+        """Bind `cfg.host:cfg.port` and serve; returns the base URL (`http://host:port`, no `/v1`).
+
+        A failed start (e.g. the port is taken) leaves the shim as it was before, so `start`
+        can be called again.
+        """
+        if self._runner is not None:
+            return self.base_url
+        runner = web.AppRunner(self._make_app(), access_log=None, shutdown_timeout=5.0)
+        try:
+            await runner.setup()
+            await web.TCPSite(runner, self.cfg.host, self.cfg.port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        port = runner.addresses[0][1]
+        host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
+        self.base_url = f"http://{host}:{port}"
+        return self.base_url
+
+    async def close(self) -> None:
+        """Stop serving; sessions still open record nothing more. Close it before the deployment."""
+        for session in self._sessions.values():
+            session.closed = True
+            session.stop_recording()
+        runner, self._runner, self.base_url = self._runner, None, None
+        if runner is not None:
+            await runner.cleanup()
+
+    # ------------------------------------------------------------------ sessions
+
+    def open_session(self, run_id: str | None = None) -> ShimSession:
+        """A new session with a fresh key (the agent's API key) and a fresh affinity key."""
+        if self.base_url is None:
+            raise RuntimeError("the agent shim is not running; await shim.start() before open_session()")
+        key = "shim-" + secrets.token_hex(16)
+        session = ShimSession(
+            key,
+            self.base_url,
+            "aff-" + secrets.token_hex(16),
+            run_id,
+            chat_format=self.chat_format,
+            tokenizer=self.tokenizer,
+            template_kwargs=self.chat_format.template_kwargs,
+            cfg=self.cfg,
+            max_tokens=self.sample_kwargs["max_tokens"],
+        )
+        self._sessions[key] = session
+        return session
+
+    def session(self, key: str) -> ShimSession:
+        """The open session with this key (KeyError if there is none)."""
+        return self._sessions[key]
+
+    async def finish_session(
+        self, key: str, reward: float | None = None, timeout: float = 30.0
+    ) -> list[Segment] | RolloutRun | None:
+        """Close a session and return what it recorded.
+
+        Requests still queued get 401 "session is closed"; the one in flight, if any, is
+        waited for (up to `timeout`, then `SessionTimeoutError`). Without `reward`, returns the
+        segments (frozen chains "wipe", the current leaf "final", other leaves "branch"); with
+        it, one `RolloutRun` of them all sharing `reward` (None when nothing is trainable).
+        """
+        session = self._sessions.get(key)
+        if session is None:
+            state = "already finished" if key in self._closed_keys else "unknown"
+            raise KeyError(f"no open agent-shim session with this key ({state})")
+        session.closed = True
+        self._remember_closed(key)
+        try:
+            await session.queue.drained(timeout)
+        except TimeoutError:
+            session.stop_recording()
+            raise SessionTimeoutError(
+                f"agent-shim session {session.run_id or key[:13]!r} still had a request in flight after {timeout:g}s"
+            ) from None
+        finally:
+            self._retire(session)
+        if session.unrecorded_replies:
+            raise TraceIntegrityError(
+                f"agent-shim session {session.run_id or key[:13]!r}: {session.unrecorded_replies} reply(ies) reached "
+                f"the agent but could not be recorded ({session.first_error}); the trace has a hole"
+            )
+        segments = session.segments()
+        if reward is None:
+            return segments
+        return segments_to_run(segments, reward, run_id=session.run_id, metadata=session.summary())
+
+    def discard_session(self, key: str) -> None:
+        """Drop a session without materializing it (e.g. its rollout was cancelled); unknown keys are ignored."""
+        session = self._sessions.get(key)
+        if session is None:
+            return
+        session.closed = True
+        session.stop_recording()
+        self._remember_closed(key)
+        self._retire(session)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters summed over every session (open and finished), plus session counts."""
+        totals = dict(self._finished_totals)
+        for session in self._sessions.values():
+            for name, value in session.counters.items():
+                totals[name] += value
+        totals["sessions_open"] = len(self._sessions)
+        totals["sessions_finished"] = self._sessions_finished
+        return totals
+
+    def _retire(self, session: ShimSession) -> None:
+        if self._sessions.pop(session.key, None) is not None:
+            for name, value in session.counters.items():
+                self._finished_totals[name] += value
+            self._sessions_finished += 1
+
+    def _remember_closed(self, key: str) -> None:
+        self._closed_keys[key] = None
+        while len(self._closed_keys) > _CLOSED_KEYS_KEPT:
+            self._closed_keys.popitem(last=False)
+
+    def _session_for(self, request: web.Request) -> ShimSession:
+        keys = _presented_keys(request)
+        if not keys:
+            raise _Reject(401, "no session key: send it as 'Authorization: Bearer <key>', 'x-api-key' or "
+                               "'x-multi-turn-session-id'")
+        for key in keys:
+            session = self._sessions.get(key)
+            if session is not None and not session.closed:
+                return session
+        if any(key in self._sessions or key in self._closed_keys for key in keys):
+            raise _Reject(401, "session is closed")
+        raise _Reject(401, "unknown session key")
+
+    # ------------------------------------------------------------------ HTTP plumbing
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=self.cfg.max_body_bytes)
+        app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/healthz", self._healthz)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        wire = ANTHROPIC if request.path.startswith("/v1/messages") else OPENAI
+        try:
+            return await handler(request)
+        except web.HTTPException as e:  # unknown route or method: keep the JSON error shape
+            return wire.error(e.status, f"{request.method} {request.path}: {e.reason}")
+        except Exception as e:  # noqa: BLE001 - a bug answers 500 and the server keeps serving
+            logger.exception("agent shim: unhandled error in %s %s", request.method, request.path)
+            return wire.error(500, f"internal error: {e!r}")
+
+    async def _read_json(self, request: web.Request) -> Any:
+        try:
+            raw = await asyncio.wait_for(request.read(), self.cfg.request_timeout_s)
+        except web.HTTPRequestEntityTooLarge:
+            raise _Reject(413, f"the request body exceeds {self.cfg.max_body_bytes} bytes "
+                               "(agent_shim.max_body_bytes)") from None
+        except TimeoutError:
+            raise _Reject(408, f"the request body did not arrive within {self.cfg.request_timeout_s:g}s") from None
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _Reject(400, f"the request body is not valid JSON: {e}") from None
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._model_call(request, ANTHROPIC)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._model_call(request, OPENAI)
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            self._session_for(request)
+            body = await self._read_json(request)
+            count = self.chat_format.count_tokens(anthropic_request(body))
+        except _Reject as e:
+            return ANTHROPIC.error(e.status, str(e))
+        except WireError as e:
+            return ANTHROPIC.error(e.status, str(e))
+        return web.json_response({"input_tokens": count})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        # One body both SDKs read: OpenAI's list (object/owned_by) and Anthropic's (type/display_name).
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "type": "model",
+            "created": 0,
+            "created_at": "1970-01-01T00:00:00Z",
+            "owned_by": "training",
+            "display_name": self.model_name,
+        }
+        name = self.model_name
+        listing = {"object": "list", "data": [model], "has_more": False, "first_id": name, "last_id": name}
+        return web.json_response(listing)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "sessions_open": len(self._sessions)})
+
+    async def _model_call(self, request: web.Request, wire: _Wire) -> web.StreamResponse:
+        try:
+            session = self._session_for(request)
+            # 1. Translate before queueing: a bad request waits for nothing and changes nothing.
+            chat = wire.parse(await self._read_json(request))
+            async with session.queue.turn(self.cfg.request_timeout_s):
+                if session.closed:
+                    raise _Reject(401, "session is closed")
+                return await self._turn(request, session, chat, wire)
+        except _Reject as e:
+            return wire.error(e.status, str(e), param=e.param, code=e.code)
+        except WireError as e:
+            return wire.error(e.status, str(e), param=e.param)
+        except QueueTimeoutError as e:
+            return wire.error(503, str(e))
+
+    async def _turn(self, request: web.Request, session: ShimSession, chat: ChatRequest, wire: _Wire):
+        # 2. Parent and prompt.
+        try:
+            prepared = session.prepare(chat)
+        except ContextOverflowError as e:
+            raise _Reject(400, str(e), param="messages", code="context_length_exceeded") from None
+        # 3. Sample with the trainer's parameters and the session's affinity key.
+        try:
+            sampling = self._sample(session, prepared.prompt_ids, prepared.max_tokens, chat.stop)
+            completions = await asyncio.wait_for(sampling, self.cfg.request_timeout_s)
+        except _SAMPLING_FAILURES as e:
+            session.count("sampling_failures")
+            logger.warning("agent shim session %s: sampling failed: %r", session.run_id or session.key[:13], e)
+            raise _Reject(503, f"sampling failed: {e or type(e).__name__}") from None
+        # 4. The answer must be exactly what was asked for.
+        try:
+            if len(completions) != 1:
+                raise TraceIntegrityError(f"asked the sampler for 1 completion, got {len(completions)}")
+            record = check_turn(prepared.prompt_ids, completions[0])
+        except TraceIntegrityError as e:
+            session.count("sampling_failures")
+            session.count("integrity_failures")
+            session.first_error = session.first_error or str(e)
+            logger.warning("agent shim session %s: trace integrity: %s", session.run_id or session.key[:13], e)
+            raise _Reject(503, f"trace integrity check failed: {e}") from None
+        # 5. Reply and staged record.
+        parsed = self.chat_format.parse_output(record.output_ids, record.finish_reason)
+        if parsed.parser_fallback:
+            session.count("parser_fallbacks")
+        response_id = wire.new_id()
+        response = wire.respond(
+            parsed, response_id, model=chat.model or self.model_name, finish_reason=record.finish_reason,
+            prompt_tokens=len(record.prompt_ids), output_tokens=len(record.output_ids),
+        )
+        try:
+            staged = session.stage(prepared, completions[0], record, parsed, wire.echo(response), response_id)
+        except Exception as e:  # noqa: BLE001 - the client must not build on a turn we cannot record
+            session.count("recording_failures")
+            session.first_error = session.first_error or f"trace recording failed: {e!r}"
+            logger.exception("agent shim session %s: trace recording failed", session.run_id or session.key[:13])
+            raise _Reject(503, f"trace recording failed: {e!r}") from None
+        # 6. Send, then record.
+        return await self._deliver(request, session, staged, response, wire, chat.stream)
+
+    async def _sample(self, session: ShimSession, prompt_ids: list[int], max_tokens: int, client_stop: list[str]):
+        kw = self.sample_kwargs
+        stop = list(dict.fromkeys([*(kw.get("stop") or []), *client_stop]))
+        return await self.sampler.sample(
+            prompt_ids,
+            1,
+            max_tokens=max_tokens,
+            temperature=kw.get("temperature", 1.0),
+            top_p=kw.get("top_p", 1.0),
+            top_k=kw.get("top_k", 0),
+            stop=stop or None,
+            timeout=kw.get("timeout"),
+            user=session.affinity,
+        )
+
+    async def _deliver(
+        self, request: web.Request, session: ShimSession, staged: StagedTurn, response: dict, wire: _Wire, stream: bool
+    ) -> web.StreamResponse:
+        """Write the reply; record the turn once its content is written. A client gone before that records nothing."""
+        timeout = self.cfg.request_timeout_s
+        resp: web.StreamResponse | None = None
+        recorded = False
+        try:
+            if not stream:
+                body = json.dumps(response, ensure_ascii=False).encode()
+                resp = web.Response(body=body, content_type="application/json")
+                await asyncio.wait_for(resp.prepare(request), timeout)
+                await asyncio.wait_for(resp.write_eof(), timeout)
+                recorded = self._record(session, staged)
+                return resp
+            events = wire.sse(response)
+            content, closing = events[:-2], events[-2:]
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await asyncio.wait_for(resp.prepare(request), timeout)
+            for event in content:  # write() waits out flow control: each event is in the socket when it returns
+                await asyncio.wait_for(resp.write(event), timeout)
+            # The client holds the whole reply now; the closing events only end the stream.
+            recorded = self._record(session, staged)
+            for event in closing:
+                await asyncio.wait_for(resp.write(event), timeout)
+            await asyncio.wait_for(resp.write_eof(), timeout)
+            return resp
+        except (ConnectionError, TimeoutError) as e:
+            if not recorded:
+                session.count("client_disconnects")
+                logger.info("agent shim session %s: client gone before the reply was written (%r); not recorded",
+                            session.run_id or session.key[:13], e)
+            # Nothing more can reach the client; aiohttp drops the connection when it finishes this response.
+            return resp if resp is not None else web.Response(status=499)
+
+    def _record(self, session: ShimSession, staged: StagedTurn) -> bool:
+        try:
+            session.commit(staged)
+        except Exception as e:  # noqa: BLE001 - the reply is already out: count it, and fail the session at finish
+            session.count("recording_failures")
+            session.unrecorded_replies += 1
+            session.first_error = session.first_error or f"recording a delivered reply failed: {e!r}"
+            logger.exception("agent shim session %s: recording a delivered reply failed",
+                             session.run_id or session.key[:13])
+        return True
+
+
+def _presented_keys(request: web.Request) -> list[str]:
+    keys = []
+    for header in SESSION_HEADERS:
+        value = request.headers.get(header, "").strip()
+        if header == "authorization":
+            scheme, _, value = value.partition(" ")
+            value = value.strip() if scheme.lower() == "bearer" else ""
+        if value and value not in keys:
+            keys.append(value)
+    return keys

@@ -1,0 +1,331 @@
+"""The Anthropic Messages wire format: request translation, JSON and SSE responses, error bodies.
+
+Request -> `ChatRequest`: `system` (a string or text blocks) is the leading system text, with
+blocks joined by a blank line and the volatile `x-anthropic-billing-header:` block dropped (it
+changes on every request, so keeping it would make every prompt differ). Each message becomes
+one or more chat messages, in order:
+
+    user text / image blocks        -> one user message per run of blocks (texts joined by "\\n")
+    user tool_result block          -> a `tool` message with its tool_call_id
+    assistant text / thinking       -> content / reasoning_content (each joined by "\\n")
+    assistant tool_use block        -> a tool call, `input` as canonical JSON arguments
+    a `system` role inside messages -> folded in place into a `<system-reminder>` user message
+
+`cache_control`, `metadata`, `tool_choice`, `thinking` and other unknown fields are ignored.
+Responses put blocks in the order thinking, text, tool_use; streams send each block as one
+start / delta / stop triple, the way the official SDK accumulates them.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from training.utils.rl.agent.chat_format import (
+    ChatRequest,
+    ParsedOutput,
+    WireError,
+    check_tool_names,
+    read_bool,
+    read_model,
+    read_optional_int,
+    read_string_list,
+    retag_tool_call_id,
+    system_reminder,
+)
+from training.utils.rl.rollout.turn_matching import canonical_json
+
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+TOOL_USE_ID_PREFIX = "toolu_"
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def new_message_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def anthropic_request(body: Any) -> ChatRequest:
+    """Validate a Messages (or count_tokens) request body and translate it; WireError names the bad field."""
+    if not isinstance(body, dict):
+        raise WireError(f"the request body must be a JSON object, got {type(body).__name__}")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise WireError("messages must be a non-empty list", param="messages")
+    chat_messages: list[dict] = []
+    for i, message in enumerate(messages):
+        chat_messages += _translate_message(message, f"messages[{i}]")
+    return ChatRequest(
+        system=_system_text(body.get("system")),
+        messages=chat_messages,
+        tools=_translate_tools(body.get("tools")),
+        max_tokens=read_optional_int(body, "max_tokens", minimum=1),
+        stop=read_string_list(body, "stop_sequences", allow_string=False),
+        stream=read_bool(body, "stream"),
+        model=read_model(body),
+    )
+
+
+def _system_text(system: Any) -> str | None:
+    if system is None or isinstance(system, str):
+        return system
+    if not isinstance(system, list):
+        raise WireError(f"system must be a string or a list of text blocks, got {type(system).__name__}", param="system")
+    texts = []
+    for j, block in enumerate(system):
+        text = _text_block(block, f"system[{j}]")
+        if not text.startswith(BILLING_HEADER_PREFIX):
+            texts.append(text)
+    return "\n\n".join(texts) if texts else None
+
+
+def _text_block(block: Any, param: str) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        raise WireError(f"{param} must be a text block {{'type': 'text', 'text': str}}, got {block!r}", param=param)
+    return block["text"]
+
+
+def _translate_message(message: Any, param: str) -> list[dict]:
+    if not isinstance(message, dict):
+        raise WireError(f"{param} must be an object, got {type(message).__name__}", param=param)
+    role = message.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise WireError(f"{param}.role must be 'user' or 'assistant', got {role!r}", param=f"{param}.role")
+    content = message.get("content")
+    if not isinstance(content, (str, list)):
+        raise WireError(f"{param}.content must be a string or a list of blocks", param=f"{param}.content")
+    if role == "system":
+        if isinstance(content, str):
+            return [system_reminder(content)]
+        return [system_reminder("\n".join(_text_block(b, f"{param}.content[{j}]") for j, b in enumerate(content)))]
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    blocks = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise WireError(f"{param}.content[{j}] must be a block with a string 'type'", param=f"{param}.content[{j}]")
+        blocks.append(block)
+    if role == "assistant":
+        return [_assistant_message(blocks, param)]
+    return _user_messages(blocks, param)
+
+
+def _user_messages(blocks: list[dict], param: str) -> list[dict]:
+    """A user turn's blocks in order: runs of text become user messages, each tool_result a tool message."""
+    out: list[dict] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        kind, where = block["type"], f"{param}.content[{j}]"
+        if kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            tool_use_id = block.get("tool_use_id")
+            if not isinstance(tool_use_id, str) or not tool_use_id:
+                raise WireError(f"{where}.tool_use_id must be a non-empty string", param=f"{where}.tool_use_id")
+            out.append({"role": "tool", "content": _tool_result_text(block.get("content"), where), "tool_call_id": tool_use_id})
+        elif kind in ("tool_use", "thinking", "redacted_thinking"):
+            raise WireError(f"{where} is a {kind} block, which only assistant messages carry", param=f"{where}.type")
+        else:
+            texts.append(_block_text(block, where))
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant_message(blocks: list[dict], param: str) -> dict:
+    texts: list[str] = []
+    thinking: list[str] = []
+    tool_calls: list[dict] = []
+    for j, block in enumerate(blocks):
+        kind, where = block["type"], f"{param}.content[{j}]"
+        if kind == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise WireError(f"{where}.thinking must be a string", param=f"{where}.thinking")
+            thinking.append(block["thinking"])
+        elif kind == "redacted_thinking":
+            continue  # opaque ciphertext from another provider: nothing the model could read
+        elif kind == "tool_use":
+            tool_calls.append(_tool_use_call(block, where))
+        elif kind == "tool_result":
+            raise WireError(f"{where} is a tool_result block, which only user messages carry", param=f"{where}.type")
+        else:
+            texts.append(_block_text(block, where))
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    if thinking:
+        message["reasoning_content"] = "\n".join(thinking)
+    return message
+
+
+def _tool_use_call(block: dict, where: str) -> dict:
+    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
+    if not isinstance(call_id, str) or not call_id:
+        raise WireError(f"{where}.id must be a non-empty string", param=f"{where}.id")
+    if not isinstance(name, str) or not name:
+        raise WireError(f"{where}.name must be a non-empty string", param=f"{where}.name")
+    if not isinstance(arguments, dict):
+        raise WireError(f"{where}.input must be an object, got {type(arguments).__name__}", param=f"{where}.input")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": canonical_json(arguments)}}
+
+
+def _block_text(block: dict, where: str) -> str:
+    """Text of a content block; media the text-only prompt cannot carry becomes a placeholder."""
+    if block["type"] == "text":
+        if not isinstance(block.get("text"), str):
+            raise WireError(f"{where}.text must be a string", param=f"{where}.text")
+        return block["text"]
+    return f"[{block['type']} omitted]"
+
+
+def _tool_result_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise WireError(f"{where}.content must be a string or a list of blocks", param=f"{where}.content")
+    texts = []
+    for k, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise WireError(f"{where}.content[{k}] must be a block with a string 'type'", param=f"{where}.content[{k}]")
+        texts.append(_block_text(block, f"{where}.content[{k}]"))
+    return "\n".join(texts)
+
+
+def _translate_tools(tools: Any) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise WireError("tools must be a list", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise WireError(f"{where} must be an object", param=where)
+        if tool.get("type") not in (None, "custom") and "input_schema" not in tool:
+            continue  # a server tool (e.g. web_search) that only Anthropic's own servers run
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise WireError(f"{where}.name must be a non-empty string", param=f"{where}.name")
+        if not isinstance(schema, dict):
+            raise WireError(f"{where}.input_schema must be a JSON-schema object", param=f"{where}.input_schema")
+        description = tool.get("description") or ""
+        if not isinstance(description, str):
+            raise WireError(f"{where}.description must be a string", param=f"{where}.description")
+        out.append({"type": "function", "function": {"name": name, "description": description, "parameters": schema}})
+    check_tool_names(out, "tools[{}].name")
+    return out
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def anthropic_stop_reason(parsed: ParsedOutput, finish_reason: str) -> str:
+    if parsed.tool_calls:
+        return "tool_use"
+    return "max_tokens" if finish_reason == "length" else "end_turn"
+
+
+def anthropic_response(
+    parsed: ParsedOutput, *, message_id: str, model: str, finish_reason: str, prompt_tokens: int, output_tokens: int
+) -> dict:
+    """A Messages API `message` object: thinking, text, then one tool_use block per call."""
+    content: list[dict] = []
+    if parsed.reasoning is not None:
+        content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+    if parsed.content or not parsed.tool_calls:
+        content.append({"type": "text", "text": parsed.content})
+    for call in parsed.tool_calls:
+        function = call["function"]
+        content.append({
+            "type": "tool_use",
+            "id": retag_tool_call_id(call["id"], TOOL_USE_ID_PREFIX),
+            "name": function["name"],
+            "input": _tool_input(function["arguments"]),
+        })
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": anthropic_stop_reason(parsed, finish_reason),
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        },
+    }
+
+
+def _tool_input(arguments: str) -> dict:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    # tool_use.input must be an object; parsed calls always are, anything else is kept visible.
+    return value if isinstance(value, dict) else {"_raw_arguments": arguments}
+
+
+def anthropic_sse_events(response: dict) -> list[bytes]:
+    """The response as a Messages stream: message_start, a start/delta/stop triple per block, message_delta, message_stop."""
+    usage = response["usage"]
+    start = {**response, "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
+    events = [_sse("message_start", {"type": "message_start", "message": start})]
+    for index, block in enumerate(response["content"]):
+        opening, delta = _block_start_and_delta(block)
+        events.append(_sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": opening}))
+        events.append(_sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+        events.append(_sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+    events.append(_sse("message_delta", {
+        "type": "message_delta",
+        "delta": {"stop_reason": response["stop_reason"], "stop_sequence": response["stop_sequence"]},
+        "usage": {"input_tokens": usage["input_tokens"], "output_tokens": usage["output_tokens"]},
+    }))
+    events.append(_sse("message_stop", {"type": "message_stop"}))
+    return events
+
+
+def _block_start_and_delta(block: dict) -> tuple[dict, dict]:
+    kind = block["type"]
+    if kind == "thinking":
+        return {"type": "thinking", "thinking": "", "signature": ""}, {"type": "thinking_delta", "thinking": block["thinking"]}
+    if kind == "text":
+        return {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+    if kind == "tool_use":
+        opening = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+        return opening, {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+    raise ValueError(f"cannot stream a content block of type {kind!r}")
+
+
+def _sse(event: str, data: dict) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def anthropic_assistant_message(response: dict) -> dict:
+    """The chat message `anthropic_request` makes of this response when a client echoes it back."""
+    (message,) = _translate_message({"role": "assistant", "content": response["content"]}, "content")
+    return message
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """The Messages API error shape for an HTTP status."""
+    error_type = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": error_type, "message": message}}

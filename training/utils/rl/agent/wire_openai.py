@@ -1,0 +1,253 @@
+"""The OpenAI Chat Completions wire format: request translation, JSON and SSE responses, error bodies.
+
+Request -> `ChatRequest`: a leading `system` or `developer` message is the system text; a later
+one is folded in place into a `<system-reminder>` user message. Content may be a string, null,
+or a list of parts (text parts joined by "\\n"; images, audio and files become placeholders).
+Assistant `tool_calls` keep their ids with canonical JSON arguments; an echoed
+`reasoning_content` is kept. `max_completion_tokens` wins over `max_tokens`; `stop` may be a
+string or a list. Unknown fields (temperature, stream_options, metadata, ...) are ignored.
+
+Responses carry `reasoning_content` next to `content` (as vLLM and other OpenAI-compatible
+servers do), and `content: null` when the reply is only tool calls. A stream is one chunk with
+the role, reasoning and content, one chunk with every tool call whole (clients never have to
+merge argument fragments), a finish chunk with usage, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+from training.utils.rl.agent.chat_format import (
+    ChatRequest,
+    ParsedOutput,
+    WireError,
+    check_tool_names,
+    read_bool,
+    read_model,
+    read_optional_int,
+    read_string_list,
+    system_reminder,
+)
+from training.utils.rl.rollout.turn_matching import canonical_arguments
+
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def openai_request(body: Any) -> ChatRequest:
+    """Validate a chat.completions request body and translate it; WireError names the bad field."""
+    if not isinstance(body, dict):
+        raise WireError(f"the request body must be a JSON object, got {type(body).__name__}")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise WireError("messages must be a non-empty list", param="messages")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise WireError(f"n must be 1 (the shim samples one reply per request), got {n!r}", param="n")
+    system = None
+    chat_messages = []
+    for i, message in enumerate(messages):
+        translated = _translate_message(message, f"messages[{i}]")
+        if i == 0 and translated["role"] == "system":
+            system = translated["content"]
+        elif translated["role"] == "system":
+            chat_messages.append(system_reminder(translated["content"]))
+        else:
+            chat_messages.append(translated)
+    max_tokens = read_optional_int(body, "max_completion_tokens", minimum=1)
+    if max_tokens is None:
+        max_tokens = read_optional_int(body, "max_tokens", minimum=1)
+    return ChatRequest(
+        system=system,
+        messages=chat_messages,
+        tools=_translate_tools(body.get("tools")),
+        max_tokens=max_tokens,
+        stop=read_string_list(body, "stop", allow_string=True),
+        stream=read_bool(body, "stream"),
+        model=read_model(body),
+    )
+
+
+def _translate_message(message: Any, param: str) -> dict:
+    """One wire message as one chat message (`developer` becomes `system`; folding is the caller's)."""
+    if not isinstance(message, dict):
+        raise WireError(f"{param} must be an object, got {type(message).__name__}", param=param)
+    role = message.get("role")
+    if role not in _ROLES:
+        raise WireError(f"{param}.role must be one of {', '.join(_ROLES)}; got {role!r}", param=f"{param}.role")
+    content = _content_text(message.get("content"), f"{param}.content")
+    if role in ("system", "developer"):
+        return {"role": "system", "content": content}
+    if role == "user":
+        return {"role": "user", "content": content}
+    if role == "tool":
+        tool_call_id = message.get("tool_call_id")
+        if not isinstance(tool_call_id, str) or not tool_call_id:
+            raise WireError(f"{param}.tool_call_id must be a non-empty string", param=f"{param}.tool_call_id")
+        return {"role": "tool", "content": content, "tool_call_id": tool_call_id}
+    out: dict[str, Any] = {"role": "assistant", "content": content}
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        if not isinstance(tool_calls, list):
+            raise WireError(f"{param}.tool_calls must be a list", param=f"{param}.tool_calls")
+        out["tool_calls"] = [_tool_call(call, f"{param}.tool_calls[{j}]") for j, call in enumerate(tool_calls)]
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise WireError(f"{param}.reasoning_content must be a string", param=f"{param}.reasoning_content")
+        out["reasoning_content"] = reasoning
+    return out
+
+
+def _content_text(content: Any, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise WireError(f"{param} must be a string, null or a list of parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise WireError(f"{where} must be a part with a string 'type'", param=where)
+        if part["type"] in ("text", "refusal"):
+            text = part.get(part["type"])
+            if not isinstance(text, str):
+                raise WireError(f"{where}.{part['type']} must be a string", param=f"{where}.{part['type']}")
+            texts.append(text)
+        else:
+            texts.append(f"[{part['type']} omitted]")
+    return "\n".join(texts)
+
+
+def _tool_call(call: Any, param: str) -> dict:
+    if not isinstance(call, dict):
+        raise WireError(f"{param} must be an object", param=param)
+    call_id, function = call.get("id"), call.get("function")
+    if not isinstance(call_id, str) or not call_id:
+        raise WireError(f"{param}.id must be a non-empty string", param=f"{param}.id")
+    if not isinstance(function, dict):
+        raise WireError(f"{param}.function must be an object", param=f"{param}.function")
+    name, arguments = function.get("name"), function.get("arguments")
+    if not isinstance(name, str) or not name:
+        raise WireError(f"{param}.function.name must be a non-empty string", param=f"{param}.function.name")
+    if arguments is None or arguments == "":
+        arguments = {}
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": canonical_arguments(arguments)}}
+
+
+def _translate_tools(tools: Any) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise WireError("tools must be a list", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise WireError(f"{where} must be an object", param=where)
+        if tool.get("type") != "function":
+            raise WireError(f"{where}.type must be 'function', got {tool.get('type')!r}", param=f"{where}.type")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise WireError(f"{where}.function must be an object", param=f"{where}.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise WireError(f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
+        description = function.get("description") or ""
+        if not isinstance(description, str):
+            raise WireError(f"{where}.function.description must be a string", param=f"{where}.function.description")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise WireError(
+                f"{where}.function.parameters must be a JSON-schema object", param=f"{where}.function.parameters"
+            )
+        out.append({"type": "function", "function": {"name": name, "description": description, "parameters": parameters}})
+    check_tool_names(out, "tools[{}].function.name")
+    return out
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def openai_finish_reason(parsed: ParsedOutput, finish_reason: str) -> str:
+    if parsed.tool_calls:
+        return "tool_calls"
+    return "length" if finish_reason == "length" else "stop"
+
+
+def openai_response(
+    parsed: ParsedOutput,
+    *,
+    completion_id: str,
+    model: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    output_tokens: int,
+    created: int | None = None,
+) -> dict:
+    """A `chat.completion` object with one choice."""
+    message: dict[str, Any] = {"role": "assistant"}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    message["content"] = parsed.content if parsed.content or not parsed.tool_calls else None
+    if parsed.tool_calls:
+        message["tool_calls"] = [
+            {"id": call["id"], "type": "function", "function": dict(call["function"])} for call in parsed.tool_calls
+        ]
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": [
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": openai_finish_reason(parsed, finish_reason)}
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": output_tokens,
+            "total_tokens": prompt_tokens + output_tokens,
+        },
+    }
+
+
+def openai_sse_chunks(response: dict) -> list[bytes]:
+    """The response as a stream: role/reasoning/content chunk, tool_calls chunk (if any), finish chunk with usage, [DONE]."""
+    choice = response["choices"][0]
+    message = choice["message"]
+    head = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"], "model": response["model"]}
+
+    def chunk(delta: dict, finish_reason: str | None = None, **extra: Any) -> bytes:
+        data = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}], **extra}
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+    first = {key: message[key] for key in ("role", "reasoning_content", "content") if key in message}
+    chunks = [chunk(first)]
+    if message.get("tool_calls"):
+        calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        chunks.append(chunk({"tool_calls": calls}))
+    chunks.append(chunk({}, choice["finish_reason"], usage=response["usage"]))
+    chunks.append(b"data: [DONE]\n\n")
+    return chunks
+
+
+def openai_assistant_message(response: dict) -> dict:
+    """The chat message `openai_request` makes of this response when a client echoes it back."""
+    return _translate_message(response["choices"][0]["message"], "message")
+
+
+def openai_error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI error shape for an HTTP status."""
+    error_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
