@@ -103,7 +103,7 @@ def test_make_rows_is_deterministic_and_answers_are_whole_numbers():
         assert int(row["answer"]) > 0
     # The worked examples answer their own questions.
     examples = make_data.WORKED_EXAMPLES
-    assert answer_reward(examples[1]["content"], 5) == 1.0 and answer_reward(examples[3]["content"], 10) == 1.0
+    assert answer_reward(examples[1]["content"], 7) == 1.0 and answer_reward(examples[3]["content"], 10) == 1.0
 
 
 # ---------------------------------------------------------------- rollout.py with a scripted sampler
@@ -220,9 +220,9 @@ def test_rollout_against_the_embedded_deployment_on_a_tiny_model():
     assert RETRY_MESSAGE["content"] in tok.decode(sample.tokens, skip_special_tokens=False)
 
 
-def test_train_py_config_runs_two_steps_of_rl_loop_on_a_tiny_model(tmp_path):
+def test_train_py_config_runs_two_steps_of_the_async_recipe_on_a_tiny_model(tmp_path):
     from training.examples.rl.multi_turn_message_in.train import cfg as example_cfg, rollout_extras
-    from training.recipes import rl_loop
+    from training.recipes import async_rl_loop
     from training.utils.rl.evaluation import rollout_evaluation
 
     cfg = example_cfg.model_copy(update=dict(
@@ -231,8 +231,8 @@ def test_train_py_config_runs_two_steps_of_rl_loop_on_a_tiny_model(tmp_path):
     ))
     rows = make_data.make_rows(4, seed=0, split="train")
     evaluation_fn = rollout_evaluation(make_rollout_fn, make_data.make_rows(2, seed=0, split="eval"))
-    summary = rl_loop.main(cfg, rollout_fn_factory=make_rollout_fn, rows=rows, evaluation_fn=evaluation_fn,
-                           rollout_extras=rollout_extras)
+    summary = async_rl_loop.main(cfg, rollout_fn_factory=make_rollout_fn, rows=rows, evaluation_fn=evaluation_fn,
+                                 evaluation_interval=0, rollout_extras=rollout_extras)
     assert summary["steps"] == 2 and summary["version"] == 2
     assert "train/loss" in summary["metrics"]
     assert summary["metrics"]["eval/reward"] == 0.0 and summary["metrics"]["eval/dropped"] == 0.0

@@ -20,9 +20,8 @@ INSTRUCTION = "Put the final answer within \\boxed{}."
 # Two solved problems as earlier chat turns: without them SmolLM2-135M-Instruct rarely boxes an
 # answer and rambles past any small max_tokens; with them most replies are short and boxed.
 WORKED_EXAMPLES = [
-    {"role": "user", "content": "Tom has 4 pens. He buys 3 more pens and then gives 2 pens to a friend. "
-                                f"How many pens does Tom have now?\n{INSTRUCTION}"},
-    {"role": "assistant", "content": "Tom has 4 + 3 = 7 pens. Then 7 - 2 = 5.\n\\boxed{5}"},
+    {"role": "user", "content": f"Tom has 4 pens. Tom finds 3 more pens. How many pens does Tom have now?\n{INSTRUCTION}"},
+    {"role": "assistant", "content": "Tom has 4 + 3 = 7 pens.\n\\boxed{7}"},
     {"role": "user", "content": "Mia buys 3 bags with 2 cards in each bag, and then finds 4 more cards. "
                                 f"How many cards does Mia have now?\n{INSTRUCTION}"},
     {"role": "assistant", "content": "Mia buys 3 * 2 = 6 cards. Then 6 + 4 = 10.\n\\boxed{10}"},
@@ -41,6 +40,20 @@ def gain_then_loss(rng: random.Random) -> tuple[str, int]:
     return question, start + bought - lost
 
 
+def one_gain(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    start, found = rng.randint(2, 9), rng.randint(2, 9)
+    question = f"{name} has {start} {item}. {name} finds {found} more {item}. How many {item} does {name} have now?"
+    return question, start + found
+
+
+def packs(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    count, per_pack = rng.randint(2, 5), rng.randint(2, 5)
+    question = f"{name} buys {count} bags with {per_pack} {item} in each bag. How many {item} does {name} have now?"
+    return question, count * per_pack
+
+
 def two_gains(rng: random.Random) -> tuple[str, int]:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     start, first, second = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 9)
@@ -57,10 +70,11 @@ def packs_plus_loose(rng: random.Random) -> tuple[str, int]:
     return question, packs * per_pack + loose
 
 
-# Measured first-turn accuracy of SmolLM2-135M-Instruct (temperature 0.7, max_tokens 48, 32 draws each):
-# gain_then_loss 0.09, two_gains 0.03, packs_plus_loose 0.25. Word problems about wages or equal
-# shares scored 0.00 and were left out: a group whose draws all score 0 teaches nothing.
-PROBLEM_KINDS = [gain_then_loss, two_gains, packs_plus_loose]
+# First-turn accuracy of SmolLM2-135M-Instruct with these worked examples (temperature 0.8, max_tokens 48,
+# 32 draws each): one_gain 0.34, packs 0.53, packs_plus_loose 0.41. With two-step worked examples only it
+# was gain_then_loss 0.09, two_gains 0.03; "gives N to a friend" alone 0.03. Kinds that score near 0
+# were left out: a group whose draws all score 0 teaches nothing.
+PROBLEM_KINDS = [one_gain, packs, packs_plus_loose, gain_then_loss]
 
 
 def make_rows(count: int, seed: int, split: str) -> list[dict]:

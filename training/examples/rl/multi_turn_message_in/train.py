@@ -1,25 +1,38 @@
-"""Two-turn arithmetic with a retry on SmolLM2-135M-Instruct, sized for a 2-core CPU (README: timing, results).
+"""Arithmetic with a retry on SmolLM2-135M-Instruct, sized for a 2-core CPU (README: timing, results).
 
     python training/examples/rl/multi_turn_message_in/train.py
+
+Runs the async recipe; for the synchronous one import from `training.recipes.rl_loop` instead
+(drop the async-only field `max_head_offpolicy_versions`).
 """
 
 import json
 
 from training.examples.rl.multi_turn_message_in.make_data import load_split
 from training.examples.rl.multi_turn_message_in.rollout import make_rollout_fn
-from training.recipes.rl_loop import Config, main
+from training.recipes.async_rl_loop import Config, main
 from training.utils.config import SamplingConfig, TrainerConfig
 from training.utils.rl.evaluation import rollout_evaluation
 
 rollout_extras = {"max_turns": 2}
 cfg = Config(
-    model="smollm2-135m-instruct", completions_per_prompt=8, prompt_groups_per_step=2, max_steps=12,
-    sampling=SamplingConfig(max_tokens=64, temperature=1.0), trainer=TrainerConfig(learning_rate=3e-5),
+    model="smollm2-135m-instruct",
+    completions_per_prompt=8,
+    prompt_groups_per_step=4,
+    max_steps=12,
+    max_head_offpolicy_versions=1,
+    sampling=SamplingConfig(max_tokens=32, temperature=0.8),
+    trainer=TrainerConfig(learning_rate=2e-5),
     log_path="runs/multi_turn_message_in",
 )
 
 if __name__ == "__main__":
-    evaluation_fn = rollout_evaluation(make_rollout_fn, load_split("eval")[:32])
-    summary = main(cfg, rollout_fn_factory=make_rollout_fn, rows=load_split("train"),
-                   evaluation_fn=evaluation_fn, rollout_extras=rollout_extras)
-    print(json.dumps({k: summary[k] for k in ("steps", "metrics", "ledger", "plots")}, indent=1))
+    summary = main(
+        cfg,
+        rollout_fn_factory=make_rollout_fn,
+        rows=load_split("train"),
+        evaluation_fn=rollout_evaluation(make_rollout_fn, load_split("eval")[:32], samples_per_row=2),
+        evaluation_interval=0,
+        rollout_extras=rollout_extras,
+    )
+    print(json.dumps({k: summary[k] for k in ("steps", "ledger", "plots")}, indent=1))
