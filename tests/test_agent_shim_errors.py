@@ -18,7 +18,7 @@ import pytest
 
 from shim_support import make_tiny, outputs, scripted, shim_stack, trained_tokens, wait_until
 from training.utils.config import AgentShimConfig
-from training.utils.errors import RecoverableDeploymentError
+from training.utils.errors import DeploymentError, RecoverableDeploymentError
 from training.utils.rl.agent import AgentShim, TraceIntegrityError
 from training.utils.rl.agent.session import ShimSession
 from training.utils.rl.rollout.stitching import TurnTree
@@ -288,6 +288,11 @@ def test_sampler_timeout_or_outage_is_a_503_without_integrity_flag(tiny):
             with pytest.raises(openai.InternalServerError, match="deployment unreachable"):
                 await client.chat.completions.create(**OPENAI_BODY)
             assert (session.counters["sampling_failures"], session.counters["integrity_failures"]) == (2, 0)
+            # The deployment rejecting the request itself (its 4xx) is not transient: a 400 the agent won't retry.
+            spy.error = DeploymentError("POST .../v1/completions was rejected with HTTP 400: prompt too long")
+            with pytest.raises(openai.BadRequestError, match="prompt too long"):
+                await client.chat.completions.create(**OPENAI_BODY)
+            assert session.counters["sampling_failures"] == 3
             spy.error = None
             await client.chat.completions.create(**OPENAI_BODY)
             assert session.kinds == ["new"]

@@ -16,6 +16,7 @@ import pytest
 from shim_support import make_tiny, shim_stack
 from training.recipes import async_rl_loop, rl_loop
 from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
+from training.utils.errors import ConfigError
 
 SESSIONS, TURNS = 200, 5
 
@@ -117,3 +118,12 @@ def test_recipes_hand_rollouts_a_running_shim(tmp_path, recipe):
     assert summary["steps"] == 1 and len(seen) == 4 and len(set(seen)) == 4
     assert summary["metrics"]["rollout/raw_reward"] == pytest.approx(0.5)
     assert math.isfinite(summary["metrics"]["train/loss"])
+
+
+def test_a_shim_context_longer_than_the_deployments_is_refused_at_start(tmp_path):
+    cfg = rl_loop.Config(
+        model="tiny-random", max_steps=1, log_path=str(tmp_path / "run"), progress=False,
+        agent_shim=AgentShimConfig(enabled=True, max_context_tokens=1_000_000),
+    )
+    with pytest.raises(ConfigError, match="agent_shim.max_context_tokens=1000000 exceeds the deployment's context"):
+        rl_loop.main(cfg, rollout_fn_factory=shim_rollout_factory([]), rows=ROWS)

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment, EmbeddedDeployment
+from training.utils.errors import ConfigError
 from training.utils.logging import RunLogger
 from training.utils.model import load_model_and_tokenizer
 from training.utils.rl.agent import AgentShim
@@ -49,9 +50,15 @@ async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment) -> 
     if not cfg.agent_shim.enabled:
         return None
     shim_cfg = cfg.agent_shim
+    served = deployment.engine.max_context_tokens if isinstance(deployment, EmbeddedDeployment) else None
+    served = served or cfg.deployment.max_context_tokens
     if shim_cfg.max_context_tokens is None:
-        served = deployment.engine.max_context_tokens if isinstance(deployment, EmbeddedDeployment) else None
-        shim_cfg = shim_cfg.model_copy(update={"max_context_tokens": served or cfg.deployment.max_context_tokens})
+        shim_cfg = shim_cfg.model_copy(update={"max_context_tokens": served})
+    elif served and shim_cfg.max_context_tokens > served:
+        raise ConfigError(
+            f"agent_shim.max_context_tokens={shim_cfg.max_context_tokens} exceeds the deployment's context of "
+            f"{served} tokens; leave it unset to use the deployment's, or lower it"
+        )
     shim = AgentShim(deployment.sampler, tokenizer, shim_cfg, rollout_sample_kwargs(cfg),
                      model_name=deployment.model_name)
     await shim.start()

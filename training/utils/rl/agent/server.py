@@ -411,7 +411,10 @@ class AgentShim:
         except _SAMPLING_FAILURES as e:
             session.count("sampling_failures")
             logger.warning("agent shim session %s: sampling failed: %r", session.run_id or session.key[:13], e)
-            raise _Reject(503, f"sampling failed: {e or type(e).__name__}") from None
+            # The deployment rejected the request itself (a 4xx): retrying cannot help, so neither
+            # may the client; anything else (timeouts, 5xx after retries) is a transient 503.
+            status = 400 if isinstance(e, DeploymentError) and not isinstance(e, RecoverableRolloutError) else 503
+            raise _Reject(status, f"sampling failed: {e or type(e).__name__}") from None
         # 4. The answer must be exactly what was asked for.
         try:
             if len(completions) != 1:

@@ -1,0 +1,194 @@
+"""What the agent shim adds per turn over calling the deployment's sampler directly, and turns/s at 200 sessions.
+
+Everything runs in one process: the embedded deployment, the shim, and the clients (raw
+aiohttp, so the numbers are the shim's and not an SDK's). Greedy sampling (temperature 0)
+with a fixed `max_tokens`, so both paths generate the same tokens for the same prompt.
+
+1. Latency, one turn at a time. Sessions of `--turns` turns each; every turn is one POST
+   (`/v1/chat/completions`, or `/v1/messages` with `--wire anthropic`) that appends a user
+   message to the conversation, and right after it the same prompt ids the shim sent go
+   straight to `deployment.sampler.sample` (side by side, interleaved turn by turn). A timing
+   wrapper around the shim's sampler measures the sampler call inside each shim request, so
+       overhead = shim end-to-end − that sampler call
+   excludes generation exactly (it is the request's HTTP round trip, JSON, session queue, turn
+   matching, rendering, parsing, response building and recording).
+2. Throughput: `--sessions` agents at once, each with its own aiohttp client, `--load-turns`
+   turns each through the shim; then the same prompt ids replayed straight to the sampler with
+   the same concurrency. Reports turns/s for both and the CPU seconds per turn of this process.
+
+    python benchmarks/shim_overhead.py                                  # tiny random model, ~1 minute
+    python benchmarks/shim_overhead.py --model smollm2-135m-instruct --max-tokens 4 --sessions 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import time
+
+import aiohttp
+import numpy as np
+import torch
+
+from training.utils.config import AgentShimConfig, DeploymentConfig
+from training.utils.deploy import start_embedded_deployment
+from training.utils.model import load_model_and_tokenizer
+from training.utils.rl.agent import AgentShim
+
+
+class TimedSampler:
+    """The deployment's sampler, timing each call and keeping its prompt ids, per affinity key."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: dict[str, list[tuple[list[int], float]]] = {}
+
+    async def sample(self, prompt_ids, n=1, **kwargs):
+        start = time.perf_counter()
+        completions = await self.inner.sample(prompt_ids, n, **kwargs)
+        self.calls.setdefault(kwargs.get("user"), []).append((list(prompt_ids), time.perf_counter() - start))
+        return completions
+
+
+class Agent:
+    """A scripted client: appends one user message per turn and echoes each reply back."""
+
+    def __init__(self, http: aiohttp.ClientSession, base_url: str, key: str, wire: str, name: str):
+        self.http, self.wire, self.name = http, wire, name
+        self.url = base_url + ("/v1/messages" if wire == "anthropic" else "/v1/chat/completions")
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.system = f"You are agent {name}."
+        self.messages: list[dict] = [] if wire == "anthropic" else [{"role": "system", "content": self.system}]
+
+    async def turn(self, k: int) -> None:
+        self.messages.append({"role": "user", "content": f"{self.name}, step {k}: go on."})
+        body = {"model": "policy", "messages": self.messages}
+        if self.wire == "anthropic":
+            body |= {"system": self.system, "max_tokens": 1024}
+        async with self.http.post(self.url, json=body, headers=self.headers) as response:
+            reply = await response.json()
+            if response.status != 200:
+                raise RuntimeError(f"shim answered {response.status}: {reply}")
+        if self.wire == "anthropic":
+            self.messages.append({"role": "assistant", "content": reply["content"]})
+        else:
+            self.messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+
+
+def percentiles_ms(values: list[float]) -> dict[str, float]:
+    a = np.array(values) * 1000
+    return {"p50": round(float(np.percentile(a, 50)), 2), "p99": round(float(np.percentile(a, 99)), 2),
+            "mean": round(float(a.mean()), 2)}
+
+
+async def measure_latency(shim: AgentShim, timed: TimedSampler, direct_kwargs: dict, *, sessions: int, turns: int,
+                          wire: str) -> dict:
+    shim_s, inner_s, direct_s = [], [], []
+    async with aiohttp.ClientSession() as http:
+        for i in range(sessions):
+            session = shim.open_session(run_id=f"latency-{i}")
+            agent = Agent(http, session.base_url, session.key, wire, f"L{i}")
+            for k in range(turns):
+                start = time.perf_counter()
+                await agent.turn(k)
+                shim_s.append(time.perf_counter() - start)
+                prompt_ids, inner = timed.calls[session.affinity][-1]
+                inner_s.append(inner)
+                start = time.perf_counter()
+                await timed.inner.sample(prompt_ids, 1, **direct_kwargs)
+                direct_s.append(time.perf_counter() - start)
+            await shim.finish_session(session.key)
+    overhead = [s - i for s, i in zip(shim_s, inner_s)]
+    return {"turns": len(shim_s), "shim_e2e_ms": percentiles_ms(shim_s), "sampler_inside_shim_ms": percentiles_ms(inner_s),
+            "direct_ms": percentiles_ms(direct_s), "overhead_ms": percentiles_ms(overhead)}
+
+
+async def measure_throughput(shim: AgentShim, timed: TimedSampler, direct_kwargs: dict, *, sessions: int, turns: int,
+                             wire: str) -> dict:
+    async def agent_run(i: int) -> str:
+        session = shim.open_session(run_id=f"load-{i}")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
+            agent = Agent(http, session.base_url, session.key, wire, f"A{i}")
+            for k in range(turns):
+                await agent.turn(k)
+        segments = await shim.finish_session(session.key)
+        assert len(segments) == 1 and segments[0].metadata["num_turns"] == turns, segments
+        return session.affinity
+
+    cpu, start = time.process_time(), time.perf_counter()
+    affinities = await asyncio.gather(*(agent_run(i) for i in range(sessions)))
+    shim_wall, shim_cpu = time.perf_counter() - start, time.process_time() - cpu
+
+    async def replay(affinity: str) -> None:
+        for prompt_ids, _ in timed.calls[affinity]:
+            await timed.inner.sample(prompt_ids, 1, **direct_kwargs)
+
+    cpu, start = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(replay(a) for a in affinities))
+    direct_wall, direct_cpu = time.perf_counter() - start, time.process_time() - cpu
+    n = sessions * turns
+    return {"sessions": sessions, "turns_per_session": turns,
+            "shim_turns_per_s": round(n / shim_wall, 1), "direct_turns_per_s": round(n / direct_wall, 1),
+            "shim_vs_direct": round(direct_wall / shim_wall, 3),
+            "shim_cpu_ms_per_turn": round(1000 * shim_cpu / n, 2), "direct_cpu_ms_per_turn": round(1000 * direct_cpu / n, 2)}
+
+
+async def bench(args) -> dict:
+    torch.manual_seed(0)
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    deployment = await start_embedded_deployment(
+        copy.deepcopy(model).eval(), tokenizer, DeploymentConfig(max_batch_requests=max(64, args.sessions)),
+        model_name="bench", sampling_timeout_s=900,
+    )
+    timed = TimedSampler(deployment.sampler)
+    sample_kwargs = dict(max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, stop=[], timeout=900)
+    shim = AgentShim(timed, tokenizer, AgentShimConfig(max_context_tokens=deployment.engine.max_context_tokens),
+                     sample_kwargs)
+    # What the shim passes to the sampler (`AgentShim._sample`), minus the affinity key.
+    direct_kwargs = dict(max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, stop=None, timeout=900)
+    try:
+        await shim.start()
+        await measure_latency(shim, timed, direct_kwargs, sessions=2, turns=3, wire=args.wire)  # warm-up
+        latency = await measure_latency(shim, timed, direct_kwargs, sessions=args.latency_sessions, turns=args.turns,
+                                        wire=args.wire)
+        throughput = await measure_throughput(shim, timed, direct_kwargs, sessions=args.sessions,
+                                              turns=args.load_turns, wire=args.wire)
+        stats = shim.stats
+    finally:
+        await shim.close()
+        await deployment.close()
+    return {"model": args.model, "wire": args.wire, "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+            "latency": latency, "throughput": throughput,
+            "shim_stats": {k: stats[k] for k in ("turns", "appends", "wipes", "render_fallbacks", "sampling_failures")}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny-random", help="alias or local HF directory")
+    parser.add_argument("--wire", choices=("openai", "anthropic"), default="openai")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--latency-sessions", type=int, default=25, help="sequential sessions for the latency part")
+    parser.add_argument("--turns", type=int, default=8, help="turns per latency session")
+    parser.add_argument("--sessions", type=int, default=200, help="concurrent sessions for the throughput part")
+    parser.add_argument("--load-turns", type=int, default=5, help="turns per concurrent session")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = asyncio.run(bench(args))
+    lat, thr = result["latency"], result["throughput"]
+    print(f"model={result['model']} wire={result['wire']} max_tokens={result['max_tokens']} threads={result['threads']}")
+    print(f"latency over {lat['turns']} turns (ms)   p50      p99      mean")
+    for name in ("direct_ms", "sampler_inside_shim_ms", "shim_e2e_ms", "overhead_ms"):
+        m = lat[name]
+        print(f"  {name:<24} {m['p50']:8.2f} {m['p99']:8.2f} {m['mean']:8.2f}")
+    print(f"throughput, {thr['sessions']} sessions x {thr['turns_per_session']} turns: shim {thr['shim_turns_per_s']} "
+          f"turns/s, direct {thr['direct_turns_per_s']} turns/s ({thr['shim_vs_direct']:.2f}x); CPU per turn "
+          f"shim {thr['shim_cpu_ms_per_turn']} ms, direct {thr['direct_cpu_ms_per_turn']} ms")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

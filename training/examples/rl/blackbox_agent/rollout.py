@@ -1,0 +1,168 @@
+"""Black-box agent rollout: the agent is a separate program that only knows an Anthropic endpoint.
+
+Per draw:
+1. open an agent-shim session: its URL is the agent's `ANTHROPIC_BASE_URL`, its key the
+   agent's `ANTHROPIC_API_KEY`;
+2. run `agent.py` as a subprocess in a fresh temporary directory, killed after
+   `agent_timeout_s`;
+3. grade what it left there (`reward.py`);
+4. finish the session: the shim turns every model call the agent made into the segments of
+   one `RolloutRun` carrying that reward (None when nothing trainable was recorded, which
+   drops the draw).
+
+An agent that exits non-zero or runs out of time is not a bug of the training library: the
+draw is dropped as a `RecoverableRolloutError` (counted, feeds the circuit breaker) with
+the agent's stderr tail in the message. Errors of the shim itself propagate.
+
+`rollout_extras`: `max_turns` (model calls per agent run, default 3), `agent_timeout_s`
+(default 240), `stream` (the agent streams its replies, default False), `runs_log` (a JSONL
+path; one line per draw with the shim's counters, see `shim_stats.py`; None writes nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from training.examples.rl.blackbox_agent.reward import answer_file_reward
+from training.utils.errors import ConfigError, RecoverableRolloutError
+from training.utils.rl.rollout.types import RolloutRun, RolloutSetup
+
+AGENT = Path(__file__).with_name("agent.py")
+STDERR_TAIL_CHARS = 2000
+LAST_REPLY_CHARS = 300
+_KILL_WAIT_S = 10.0
+_AGENT_SUMMARY = re.compile(r"agent: (\d+) model call\(s\), (\d+) tool call\(s\), (\d+) failed")
+# The agent's own credentials must not reach it: it talks to the shim only.
+_SCRUBBED_ENV = ("ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "OPENAI_BASE_URL", "OPENAI_API_KEY")
+
+
+@dataclass
+class AgentResult:
+    """How one agent process ended."""
+
+    returncode: int | None
+    """Exit status; negative when killed by a signal, None if it could not be reaped."""
+    stdout: str
+    stderr: str
+    timed_out: bool
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def stderr_tail(self, chars: int = STDERR_TAIL_CHARS) -> str:
+        tail = self.stderr[-chars:]
+        return tail if len(self.stderr) <= chars else "..." + tail
+
+    def summary(self) -> dict[str, int]:
+        """The agent's own count of model calls, tool calls and failed tool calls (empty if it printed none)."""
+        found = _AGENT_SUMMARY.findall(self.stderr)
+        if not found:
+            return {}
+        model_calls, tool_calls, tool_errors = map(int, found[-1])
+        return {"model_calls": model_calls, "tool_calls": tool_calls, "tool_errors": tool_errors}
+
+
+def agent_env(base_url: str, api_key: str) -> dict[str, str]:
+    """This process's environment with the agent pointed at the shim session (and at nothing else)."""
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    return env | {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": api_key}
+
+
+async def run_agent(task: str, workdir: str, env: dict[str, str], *, max_turns: int, timeout_s: float,
+                    stream: bool = False) -> AgentResult:
+    """Run `agent.py` on `task` in `workdir`; kill it after `timeout_s` (and if this call is cancelled)."""
+    start = time.monotonic()
+    flags = ["--max-turns", str(max_turns)] + (["--stream"] if stream else [])
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(AGENT), "--workdir", workdir, *flags, "--", task,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=env, cwd=workdir,
+    )
+    # Read both pipes while it runs: a full pipe would block the agent; and what it wrote before a
+    # timeout kill is still collected.
+    reading = asyncio.gather(proc.stdout.read(), proc.stderr.read())
+    timed_out = False
+    try:
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            timed_out = True
+            _kill(proc)
+            await asyncio.wait_for(proc.wait(), _KILL_WAIT_S)
+        stdout, stderr = await asyncio.wait_for(reading, _KILL_WAIT_S)
+    finally:
+        if proc.returncode is None:  # cancelled, or not reaped in time: never leave an agent running
+            _kill(proc)
+        reading.cancel()
+    return AgentResult(proc.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace"),
+                       timed_out, time.monotonic() - start)
+
+
+def _kill(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+
+
+def make_rollout_fn(setup: RolloutSetup):
+    if setup.shim is None:
+        raise ConfigError("the blackbox_agent example needs the agent shim: set agent_shim=AgentShimConfig(enabled=True)")
+    max_turns = int(setup.extras.get("max_turns", 3))
+    timeout_s = float(setup.extras.get("agent_timeout_s", 240.0))
+    stream = bool(setup.extras.get("stream", False))
+    runs_log = setup.extras.get("runs_log")
+    if max_turns < 1:
+        raise ConfigError(f"rollout_extras max_turns={max_turns}; it must be at least 1")
+    shim = setup.shim
+
+    async def rollout_fn(row: dict, sample_index: int, submit_version: int, evaluation: bool) -> RolloutRun | None:
+        session = shim.open_session(run_id=f"{row['id']}/{sample_index}")
+        record: dict[str, Any] = {"run_id": session.run_id, "row_id": row["id"], "submit_version": submit_version,
+                                  "evaluation": evaluation, "outcome": "interrupted"}
+        try:
+            with tempfile.TemporaryDirectory(prefix="blackbox-agent-") as workdir:
+                agent = await run_agent(row["task"], workdir, agent_env(session.base_url, session.key),
+                                        max_turns=max_turns, timeout_s=timeout_s, stream=stream)
+                record |= {"agent_seconds": round(agent.seconds, 3), "exit_code": agent.returncode} | agent.summary()
+                if not agent.ok:
+                    record |= {"outcome": "agent_failed", **session.summary()}
+                    what = f"timed out after {timeout_s:g}s" if agent.timed_out else f"exited {agent.returncode}"
+                    raise RecoverableRolloutError(
+                        f"agent {session.run_id} {what}; stderr tail:\n{agent.stderr_tail()}"
+                    )
+                reward = answer_file_reward(Path(workdir), row["answer"])
+            run = await shim.finish_session(session.key, reward=reward)
+            record |= {"outcome": "run" if run is not None else "nothing_trainable", "reward": reward}
+            record |= run_stats(run) if run is not None else session.summary()
+            return run
+        finally:
+            shim.discard_session(session.key)  # a no-op once finished; frees the session of a failed draw
+            if runs_log:
+                append_jsonl(runs_log, record)
+
+    return rollout_fn
+
+
+def run_stats(run: RolloutRun) -> dict[str, Any]:
+    """The run's metadata (the shim's `shim/*` counters, `num_segments`, `segment_kinds`, `trainable_tokens`)
+    plus each segment's finish reason and the start of the last reply the model wrote."""
+    return dict(run.metadata or {}) | {"finish_reasons": [s.finish_reason for s in run.segments],
+                                       "last_reply": run.segments[-1].text[:LAST_REPLY_CHARS]}
+
+
+def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")

@@ -1,0 +1,40 @@
+"""A black-box Anthropic-SDK agent trained through the agent shim, SmolLM2-135M-Instruct on a 2-core CPU.
+
+    python training/examples/rl/blackbox_agent/train.py
+
+Runs the async recipe with the shim on; prints the per-step shim statistics at the end
+(`shim_stats.py`; README: what the default run measured).
+"""
+
+from pathlib import Path
+
+from training.examples.rl.blackbox_agent.make_data import load_split
+from training.examples.rl.blackbox_agent.rollout import make_rollout_fn
+from training.examples.rl.blackbox_agent.shim_stats import (
+    RUNS_LOG_NAME,
+    markdown_table,
+    run_dir_stats,
+)
+from training.recipes.async_rl_loop import Config, main
+from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
+
+cfg = Config(
+    model="smollm2-135m-instruct",
+    completions_per_prompt=4,
+    prompt_groups_per_step=2,
+    max_steps=5,
+    max_head_offpolicy_versions=1,
+    sampling=SamplingConfig(max_tokens=64, temperature=1.0),
+    trainer=TrainerConfig(learning_rate=2e-5),
+    rollout_timeout_s=300,
+    agent_shim=AgentShimConfig(enabled=True),
+    log_path="runs/blackbox_agent",
+)
+runs_log = Path(cfg.log_path) / RUNS_LOG_NAME
+rollout_extras = {"max_turns": 3, "agent_timeout_s": 240, "runs_log": str(runs_log)}
+
+if __name__ == "__main__":
+    runs_log.unlink(missing_ok=True)  # this run's draws only (the metrics ledger marks runs by its steps)
+    summary = main(cfg, rollout_fn_factory=make_rollout_fn, rows=load_split("train"), rollout_extras=rollout_extras)
+    print(markdown_table(run_dir_stats(cfg.log_path)))
+    print({k: summary[k] for k in ("steps", "ledger")})
