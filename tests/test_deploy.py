@@ -26,7 +26,15 @@ from training.utils.deploy import (
     Sampler,
     start_embedded_deployment,
 )
-from training.utils.deploy.decode import KVBatch, SamplingParams_B, _truncation_keep, sample_next
+from training.utils.deploy.decode import (
+    KVBatch,
+    SamplingParams_B,
+    _sample_inverse_cdf,
+    _truncation_keep,
+    _uniforms,
+    sample_next,
+)
+from training.utils.deploy.engine import _split_by_length
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 from training.utils.model import load_model_and_tokenizer
 from training.utils.tiny_model import tiny_config
@@ -127,6 +135,81 @@ def test_sample_next_matches_distribution():
     tokens, _ = sample_next(logits, _params(20000))
     freq = torch.bincount(tokens, minlength=3).float() / 20000
     assert (freq - probs).abs().max().item() < 0.02
+
+
+def test_inverse_cdf_matches_distribution_across_blocks():
+    """V spans several 256-token blocks plus a partial one; frequencies match the probabilities."""
+    torch.manual_seed(0)
+    probs = torch.zeros(700)
+    probs[[3, 255, 256, 511, 600, 699]] = torch.tensor([0.1, 0.2, 0.25, 0.05, 0.3, 0.1])
+    rows = 40000
+    tokens = _sample_inverse_cdf(probs.repeat(rows, 1), torch.rand(rows, dtype=torch.float64))
+    freq = torch.bincount(tokens, minlength=700).float() / rows
+    assert (freq - probs).abs().max().item() < 0.01
+    assert freq[probs == 0].sum().item() == 0  # zero-probability tokens are never drawn
+
+
+def test_inverse_cdf_never_returns_a_zero_probability_token_at_the_edges():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
+    for u in (0.0, 0.5, 1.0 - 2**-53):  # u = 1 - eps can round to the row total
+        tokens = _sample_inverse_cdf(probs, torch.full((3,), u, dtype=torch.float64))
+        assert (probs.gather(1, tokens[:, None]) > 0).all(), (u, tokens)
+    # Unnormalized rows are fine: u picks the same token as after normalizing.
+    assert _sample_inverse_cdf(probs[:1] * 7, torch.tensor([0.6], dtype=torch.float64)).item() == 2
+
+
+def test_sampling_non_finite_logits_raises():
+    logits = torch.zeros(2, 300)
+    logits[1, 5] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        sample_next(logits, _params(2))
+
+
+def test_seeded_rows_draw_the_same_tokens_again():
+    logits = torch.randn(3, 1000)
+
+    def draw(seeds):
+        gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        params = SamplingParams_B(torch.ones(3), torch.ones(3), torch.zeros(3, dtype=torch.long), gens)
+        return [sample_next(logits, params)[0].tolist() for _ in range(5)]
+
+    first, again = draw([1, 2, None]), draw([1, 2, None])
+    assert [t[:2] for t in first] == [t[:2] for t in again]
+    assert _uniforms([torch.Generator().manual_seed(5)], "cpu").item() == torch.rand(
+        (), dtype=torch.float64, generator=torch.Generator().manual_seed(5)
+    ).item()
+
+
+def test_split_by_length_pays_an_extra_forward_only_when_padding_costs_more():
+    lengths = [5, 30, 3, 29, 4, 28]
+    # One forward: 6 x 30 + 10 = 190 tokens; two: 3 x 30 + 10 + 3 x 5 + 10 = 125.
+    assert _split_by_length(lengths, forward_cost=10) == [[1, 3, 5], [0, 4, 2]]
+    assert _split_by_length(lengths, forward_cost=200) == [[1, 3, 5, 0, 4, 2]]
+    assert _split_by_length(lengths, forward_cost=None) == [[0, 1, 2, 3, 4, 5]]  # off the CPU: one forward
+
+
+def test_kv_batch_split_prefill_matches_generate(tiny):
+    """What a split prefill does: the longest prompts start the batch, shorter ones join it."""
+    model, _ = tiny
+    chunks = [[list(range(10, 60)), list(range(70, 110))], [[5, 6, 7, 8, 9, 10]], [[7, 8, 9], [11, 12]]]
+    with torch.inference_mode():
+        batch, logits = KVBatch.prefill(model, chunks[0])
+        logits_P = [logits]
+        for i, chunk in enumerate(chunks[1:]):
+            new, logits = KVBatch.prefill(model, chunk)
+            joined = batch.insert(new, row_capacity=8)
+            # The first insert outgrows the rows of the first prefill: one rebuild with spare
+            # rows; the next fits the batch's rows and width and is written in place.
+            assert (joined is batch) == (i == 1)
+            batch = joined
+            logits_P.append(logits)
+        outputs = [[int(t)] for t in torch.cat(logits_P).argmax(-1)]
+        for _ in range(5):
+            logits = batch.decode(model, torch.tensor([o[-1] for o in outputs]))
+            for o, t in zip(outputs, logits.argmax(-1).tolist()):
+                o.append(t)
+    for prompt, output in zip([p for chunk in chunks for p in chunk], outputs):
+        assert output == greedy_reference(model, prompt, 6)
 
 
 # ---------------------------------------------------------------------------- engine

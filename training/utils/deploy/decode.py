@@ -27,7 +27,7 @@ instead re-concatenates the whole cache every step). Live rows are the first B s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -63,8 +63,8 @@ class _SlotLayer(DynamicLayer):
         end = self.length + key_states.shape[-2]
         if self.keys_buf is None:
             # A fresh layer (prefill): allocate from the first states' shape.
-            self.keys_buf = _with_spare(key_states, key_states.shape[0])
-            self.values_buf = _with_spare(value_states, value_states.shape[0])
+            self.keys_buf = _with_spare(key_states)
+            self.values_buf = _with_spare(value_states)
             self.dtype, self.device = key_states.dtype, key_states.device
             self.is_initialized = True
         elif end > self.keys_buf.shape[2]:
@@ -93,11 +93,9 @@ class _SlotLayer(DynamicLayer):
         self._refresh_views()
 
 
-def _with_spare(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """A zeroed (rows, H, L + spare, D) buffer holding the (B <= rows, H, L, D) tensor `t` in its first rows."""
-    out = t.new_zeros(rows, t.shape[1], t.shape[2] + _GROW_COLUMNS, t.shape[3])
-    out[: t.shape[0], :, : t.shape[2]] = t
-    return out
+def _with_spare(t: torch.Tensor) -> torch.Tensor:
+    """A zeroed (B, H, L + spare, D) buffer for the (B, H, L, D) states `t` (which `update` then writes)."""
+    return t.new_zeros(t.shape[0], t.shape[1], t.shape[2] + _GROW_COLUMNS, t.shape[3])
 
 
 def _num_layers(model) -> int:
@@ -283,10 +281,18 @@ class SamplingParams_B:
     top_k: torch.Tensor  # (B,) int64; 0 = off
     generators: list[torch.Generator | None]
     """A seeded generator per row, or None to use the global RNG."""
+    # Derived once per batch composition instead of once per step (each is a host sync on GPU).
+    all_greedy: bool = field(init=False)
+    any_greedy: bool = field(init=False)
+    any_truncation: bool = field(init=False)
+    unit_temperature: bool = field(init=False)
 
-    @property
-    def any_truncation(self) -> bool:
-        return bool(((self.top_p < 1.0) | (self.top_k > 0)).any())
+    def __post_init__(self):
+        greedy = self.temperature == 0
+        self.all_greedy = bool(greedy.all())
+        self.any_greedy = bool(greedy.any())
+        self.any_truncation = bool(((self.top_p < 1.0) | (self.top_k > 0)).any())
+        self.unit_temperature = bool((self.temperature == 1.0).all())
 
 
 def sample_next(logits_B_V: torch.Tensor, params: SamplingParams_B) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,22 +305,88 @@ def sample_next(logits_B_V: torch.Tensor, params: SamplingParams_B) -> tuple[tor
     - greedy (T = 0): argmax, with log_softmax(logits) at T = 1.
     """
     logits = logits_B_V.float()
-    greedy = params.temperature == 0
-    temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
-    logp = torch.log_softmax(logits / temperature[:, None], dim=-1)  # (B, V)
+    if params.unit_temperature:
+        scaled = logits
+    else:
+        greedy = params.temperature == 0
+        temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+        scaled = logits / temperature[:, None]  # (B, V)
     if params.any_truncation:
-        keep = _truncation_keep(logp, params.top_p, params.top_k) | greedy[:, None]
+        logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
+        keep = _truncation_keep(logp, params.top_p, params.top_k)
+        if params.any_greedy:
+            keep |= (params.temperature == 0)[:, None]
         logp = torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
-    if bool(greedy.all()):
+        weights = logp.exp()
+    else:
+        # log_softmax written out, so the only (B, V) tensor made per step is `weights`:
+        # on CPU every fresh (B, V) buffer costs page faults, as much as the arithmetic on it.
+        peak = scaled.amax(dim=-1, keepdim=True)  # (B, 1)
+        weights = (scaled - peak).exp_()  # (B, V) unnormalized probabilities
+        log_total = weights.sum(dim=-1, keepdim=True).log_()  # (B, 1)
+    if params.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        probs = logp.exp()
-        sampled = torch.multinomial(probs, 1).squeeze(1)
-        for row, generator in enumerate(params.generators):
-            if generator is not None:
-                sampled[row] = torch.multinomial(probs[row].cpu(), 1, generator=generator).item()
-        tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+        tokens = _sample_inverse_cdf(weights, _uniforms(params.generators, logits.device))
+        if params.any_greedy:
+            tokens = torch.where(params.temperature == 0, logits.argmax(dim=-1), tokens)
+    if params.any_truncation:
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, (scaled.gather(1, tokens[:, None]) - peak - log_total).squeeze(1)
+
+
+# Tokens per block of the two-level inverse CDF in `_sample_inverse_cdf`.
+_CDF_BLOCK = 256
+
+
+def _sample_inverse_cdf(probs_B_V: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+    """One draw per row from `probs_B_V` (rows need not sum to 1), by inverting its CDF at u_B in [0, 1).
+
+    `torch.multinomial` draws V exponentials per row (what `generate` does): on CPU that random
+    number generation costs more than the softmax itself (~14 ms for 16 rows of 49k tokens, a
+    sixth of a decode step). Inverting the CDF needs one uniform per row. A single float32
+    cumsum over V entries would be off by ~1e-5; float64 over all V is slow on CPU. So: block
+    sums (float32 over 256 entries, then float64 cumsum), choose a block, then a float64
+    cumsum inside it. A zero-probability token is never returned.
+    """
+    B, V = probs_B_V.shape
+    blocks = -(-V // _CDF_BLOCK)
+    if blocks * _CDF_BLOCK != V:
+        probs_B_V = torch.nn.functional.pad(probs_B_V, (0, blocks * _CDF_BLOCK - V))
+    probs_B_N_K = probs_B_V.view(B, blocks, _CDF_BLOCK)
+    mass_B_N = probs_B_N_K.sum(-1).double()
+    total_B = mass_B_N.sum(-1)
+    # torch.multinomial raises here too; without the check NaN logits would yield a token.
+    if not bool(((total_B > 0) & torch.isfinite(total_B)).all()):
+        raise ValueError("cannot sample: a row's probabilities are not finite or all zero (non-finite logits?)")
+    target_B = u_B * total_B
+    block_B = _invert(mass_B_N, target_B)
+    before_B = (mass_B_N.cumsum(-1) - mass_B_N).gather(1, block_B[:, None]).squeeze(1)
+    inner_B_K = probs_B_N_K[torch.arange(B, device=probs_B_V.device), block_B].double()
+    return block_B * _CDF_BLOCK + _invert(inner_B_K, target_B - before_B)
+
+
+def _invert(weights_B_K: torch.Tensor, target_B: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose inclusive cumsum exceeds target, restricted to positive weights."""
+    cdf = weights_B_K.cumsum(-1)
+    index = torch.searchsorted(cdf, target_B.clamp(min=0)[:, None], right=True).squeeze(1)
+    # Rounding can put the target at or past the row's total: take the last positive weight.
+    # Below that, cdf[index] > cdf[index - 1] (or > 0 at index 0), so weights[index] > 0.
+    K = weights_B_K.shape[1]
+    last_positive = K - 1 - (weights_B_K > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(index, last_positive)
+
+
+def _uniforms(generators: Sequence[torch.Generator | None], device) -> torch.Tensor:
+    """(B,) float64 uniforms in [0, 1): from a row's seeded generator where it has one, else the global RNG."""
+    u = torch.rand(len(generators), dtype=torch.float64, device=device)
+    seeded = [(row, g) for row, g in enumerate(generators) if g is not None]
+    if seeded:
+        u = u.cpu()
+        for row, generator in seeded:
+            u[row] = torch.rand((), dtype=torch.float64, generator=generator)
+        u = u.to(device)
+    return u
 
 
 def _truncation_keep(logp_B_V: torch.Tensor, top_p_B: torch.Tensor, top_k_B: torch.Tensor) -> torch.Tensor:

@@ -31,10 +31,12 @@ step measured ~8x `generate`; `decode.KVBatch` keeps rows in fixed slots with th
 
 How it works: one thread owns the model. Each iteration it (1) applies a queued weight
 update if allowed, (2) admits queued sequences into free slots (up to
-`cfg.max_batch_requests`) by prefilling them together and appending them to the running
-batch (`decode.KVBatch`), (3) runs one decode step for all rows with per-row sampling
-parameters, and (4) drops finished rows and resolves their requests. `n > 1` prefills the
-prompt once and copies its KV cache to n rows.
+`cfg.max_batch_requests`) by prefilling them together (on CPU, in a few forwards grouped
+by prompt length when that saves padding: `_split_by_length`) and appending them to the
+running batch (`decode.KVBatch`), (3) runs one decode step for all rows with per-row
+sampling parameters, and (4) drops finished rows and resolves their requests. `n > 1`
+prefills the prompt once and copies its KV cache to n rows. An idle engine waits a few
+milliseconds for the rest of a burst of requests before its first prefill.
 
 Weight updates (`update_weights`) are applied by the engine thread between two decode
 steps, with one `torch._foreach_copy_` over all tensors, so no forward pass ever sees a
@@ -57,6 +59,7 @@ import json
 import logging
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +78,17 @@ logger = logging.getLogger(__name__)
 # memory of a prefill and the time decode rows wait for it; a single prompt always fits.
 _PREFILL_TOKEN_BUDGET = 32768
 _MAX_N = 1024
+# On CPU a forward costs about as much as this many extra prompt tokens (SmolLM2-135M, 1-2
+# threads: ~45 ms fixed, mostly reading the weights, + ~2.5 ms per token), so a prefill of
+# prompts of mixed lengths is split by length where that saves more padding than this per
+# extra forward (`_split_by_length`). Elsewhere a forward's fixed cost (kernel launches on a
+# GPU) dwarfs padding, and admitted prompts are prefilled in one forward.
+_PREFILL_SPLIT_COST_TOKENS = 32
+# An idle engine that receives a request waits while more keep arriving at most _BURST_GAP_S
+# apart, for at most _BURST_MAX_WAIT_S (`Engine._await_burst`): paid only when starting from
+# idle, and far below one CPU forward (>= 40 ms for SmolLM2-135M), the cost of a missed burst.
+_BURST_GAP_S = 0.005
+_BURST_MAX_WAIT_S = 0.02
 
 
 @dataclass(eq=False)
@@ -156,6 +170,7 @@ class Engine:
         self._batch: KVBatch | None = None
         self._rows: list[_Seq] = []
         self._params_B: SamplingParams_B | None = None
+        self._split_cost_tokens = _PREFILL_SPLIT_COST_TOKENS if self.model.device.type == "cpu" else None
         self.stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0, "weight_updates": 0}
         self._thread = threading.Thread(target=self._run, name="deploy-engine", daemon=True)
         self._thread.start()
@@ -354,6 +369,8 @@ class Engine:
                         self._wake.wait(timeout=1.0)
                     if self._closing:
                         return
+                    if not self._rows and not self._updates:
+                        self._await_burst()
                     update = self._update_to_apply()
                     admitted = self._admissions() if not self._updates else []
                 try:
@@ -370,6 +387,24 @@ class Engine:
                     self._fail_rows(DeploymentError(f"engine decode step failed: {e!r}"), admitted)
         finally:
             self._shutdown()
+
+    def _await_burst(self) -> None:
+        """Starting from idle, wait while requests keep arriving, so a burst shares one prefill.
+
+        Requests of a burst (`asyncio.gather` of many calls, or many HTTP requests) reach the
+        engine one by one; admitting only the first costs a whole extra forward for it (a
+        prefill, then a decode step of one row) before the rest join. Holds `_wake`.
+        """
+        deadline = time.monotonic() + _BURST_MAX_WAIT_S
+        seen = len(self._pending)
+        while not self._closing and seen < self.cfg.max_batch_requests:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wake.wait(min(_BURST_GAP_S, remaining))
+            if len(self._pending) == seen:
+                return  # nothing new within the gap: the burst is over
+            seen = len(self._pending)
 
     def _has_work(self) -> bool:
         return bool(self._rows or self._updates or self._pending)
@@ -412,22 +447,27 @@ class Engine:
             job.done.set()
 
     def _prefill(self, admitted: list[_Seq]) -> None:
-        groups: list[_Group] = []
-        for seq in admitted:
-            if seq.group not in groups:
-                groups.append(seq.group)
+        groups = list(dict.fromkeys(seq.group for seq in admitted))  # each prompt once, in order
+        # Longest prompts first: the later, shorter forwards then fit the batch's width in place.
+        for chunk in _split_by_length([len(g.prompt_ids) for g in groups], self._split_cost_tokens):
+            members = {groups[i] for i in chunk}
+            self._prefill_chunk([groups[i] for i in chunk], [seq for seq in admitted if seq.group in members])
+
+    def _prefill_chunk(self, groups: list[_Group], admitted: list[_Seq]) -> None:
+        """Prefill the prompts of `groups` in one forward; append `admitted` (their sequences) to the batch."""
         new, logits_P = KVBatch.prefill(self.model, [g.prompt_ids for g in groups])
         self.stats["prefills"] += 1
-        rows = [groups.index(seq.group) for seq in admitted]
+        index = {id(g): i for i, g in enumerate(groups)}
+        rows = [index[id(seq.group)] for seq in admitted]
         if rows != list(range(len(groups))):
             new = KVBatch.gather([(new, rows)])  # n > 1: one prefill, copied to n rows
-        logits = logits_P[torch.tensor(rows, device=logits_P.device)]
-        params = _sampling_params(admitted, logits.device)
+            logits_P = logits_P[torch.tensor(rows, device=logits_P.device)]
+        params = _sampling_params(admitted, logits_P.device)
         capacity = self.cfg.max_batch_requests
         self._batch = new if self._batch is None else self._batch.insert(new, capacity)
         self._rows = self._rows + admitted
         self._params_B = None
-        self._record(admitted, logits, params, first_row=len(self._rows) - len(admitted))
+        self._record(admitted, logits_P, params, first_row=len(self._rows) - len(admitted))
 
     def _decode(self) -> None:
         tokens = torch.tensor([seq.output_ids[-1] for seq in self._rows], device=self.model.device)
@@ -584,6 +624,32 @@ def read_safetensors(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:
     for f in files:
         tensors.update(load_file(str(f), device=str(device)))
     return tensors
+
+
+def _split_by_length(lengths: list[int], forward_cost: int | None) -> list[list[int]]:
+    """Partition prompts (by index) into prefill forwards, longest first, minimizing padded tokens + forwards.
+
+    A forward is left-padded to its longest prompt, so it costs (prompts x longest) tokens,
+    plus `forward_cost` tokens for the forward itself; None = always one forward. Sorted by
+    length, the best partition is into contiguous runs, found by dynamic programming over the
+    run boundaries (O(n^2) for n prompts, at most `max_batch_requests`).
+    """
+    if forward_cost is None or len(lengths) < 2:
+        return [list(range(len(lengths)))]
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    n = len(order)
+    cost = [0] + [math.inf] * n  # cost[j]: cheapest prefill of the j longest prompts
+    start = [0] * (n + 1)  # start[j]: where the last forward of that prefill starts
+    for j in range(1, n + 1):
+        for i in range(j):
+            c = cost[i] + forward_cost + (j - i) * lengths[order[i]]
+            if c < cost[j]:
+                cost[j], start[j] = c, i
+    chunks, j = [], n
+    while j > 0:
+        chunks.append(order[start[j] : j])
+        j = start[j]
+    return chunks[::-1]
 
 
 def _sampling_params(seqs: list[_Seq], device) -> SamplingParams_B:
