@@ -90,25 +90,30 @@ def _finish_reason(reason: Any) -> str:
     return FINISH_REASONS[reason]
 
 
+def _token_id_completions_body(model, prompt_ids, n, sampling, *, top_k: int) -> dict:
+    """An OpenAI `/v1/completions` body with a token-id prompt, asking for sampled token ids and logprobs."""
+    body = {
+        "model": model,
+        "prompt": prompt_ids,
+        "n": n,
+        "max_tokens": sampling["max_tokens"],
+        "temperature": sampling["temperature"],
+        "top_p": sampling["top_p"],
+        "top_k": top_k,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    return _optional_fields(body, sampling, ("stop", "stop_token_ids", "seed", "user"))
+
+
 class EmbeddedProtocol(Protocol):
     """Our embedded server: OpenAI completions + vLLM's `return_token_ids` + `token_versions`."""
 
     name = "embedded"
 
     def request_body(self, model, prompt_ids, n, sampling):
-        body = {
-            "model": model,
-            "prompt": prompt_ids,
-            "n": n,
-            "max_tokens": sampling["max_tokens"],
-            "temperature": sampling["temperature"],
-            "top_p": sampling["top_p"],
-            "top_k": sampling["top_k"],
-            "logprobs": 0,
-            "return_token_ids": True,
-            "timeout": sampling["timeout"],
-        }
-        return _optional_fields(body, sampling, ("stop", "stop_token_ids", "seed", "user"))
+        body = _token_id_completions_body(model, prompt_ids, n, sampling, top_k=sampling["top_k"])
+        return body | {"timeout": sampling["timeout"]}
 
     def _parse(self, data, prompt_ids):
         out = []
@@ -137,19 +142,8 @@ class VLLMProtocol(Protocol):
     name = "vllm"
 
     def request_body(self, model, prompt_ids, n, sampling):
-        body = {
-            "model": model,
-            "prompt": prompt_ids,
-            "n": n,
-            "max_tokens": sampling["max_tokens"],
-            "temperature": sampling["temperature"],
-            "top_p": sampling["top_p"],
-            # -1 disables top-k in every vLLM release; 0 is rejected by older ones.
-            "top_k": sampling["top_k"] or -1,
-            "logprobs": 0,
-            "return_token_ids": True,
-        }
-        return _optional_fields(body, sampling, ("stop", "stop_token_ids", "seed", "user"))
+        # -1 disables top-k in every vLLM release; 0 is rejected by older ones.
+        return _token_id_completions_body(model, prompt_ids, n, sampling, top_k=sampling["top_k"] or -1)
 
     def _parse(self, data, prompt_ids):
         out = []
