@@ -12,6 +12,11 @@ the engine frees them. Then one weight sync of the full state_dict for `in_proce
 
     python benchmarks/sampler_throughput.py                       # 64 and 256 requests x 256 tokens
     python benchmarks/sampler_throughput.py --model tiny-random --requests 64 256 --max-tokens 32
+    python benchmarks/sampler_throughput.py --model DIR --random-init   # DIR: config.json + tokenizer, no weights
+
+The in-process sync is also compared with a bare `torch._foreach_copy_` of the same tensors
+into same-dtype copies of the engine's, on the same device: the copy bandwidth it can reach.
+`--decode-steps` picks the engine's decode steps (default: CUDA graphs on a GPU, eager on CPU).
 """
 
 from __future__ import annotations
@@ -42,9 +47,9 @@ def useful_tokens(output_ids: list[int], eos: int | None) -> int:
     return output_ids.index(eos) + 1 if eos is not None and eos in output_ids else len(output_ids)
 
 
-async def bench_engine(model, tokenizer, prompts, max_tokens: int, with_sync: bool) -> dict:
+async def bench_engine(model, tokenizer, prompts, max_tokens: int, with_sync: bool, decode_steps: str) -> dict:
     """Time the same prompts through `Engine.generate` directly and through the HTTP sampler."""
-    cfg = DeploymentConfig(max_batch_requests=len(prompts))
+    cfg = DeploymentConfig(max_batch_requests=len(prompts), decode_steps=decode_steps)
     dep = await start_embedded_deployment(
         copy.deepcopy(model), tokenizer, cfg, model_name="bench", sampling_timeout_s=3600
     )
@@ -57,14 +62,50 @@ async def bench_engine(model, tokenizer, prompts, max_tokens: int, with_sync: bo
         start = time.perf_counter()
         results = await asyncio.gather(*[dep.sampler.sample(p, max_tokens=max_tokens) for p in prompts])
         out["http"] = {"tokens": sum(len(c.output_ids) for (c,) in results), "seconds": time.perf_counter() - start}
+        out["decode_stats"] = dict(dep.engine.stats)
         if with_sync:
             state = model.state_dict()
             out["in_process_sync"] = await dep.weight_sync.sync(state, 1)
+            out["bare_copy"] = bare_copy_seconds(state, next(dep.engine.model.parameters()).dtype)
             with tempfile.TemporaryDirectory() as tmp:
                 out["disk_sync"] = await DiskWeightSync(dep.base_url, tmp).sync(state, 2)
         return out
     finally:
         await dep.close()
+
+
+def bare_copy_seconds(state: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
+    """Best of 3: one `_foreach_copy_` of `state` into fresh `dtype` tensors on the same device."""
+    unique = list({t.data_ptr(): t for t in state.values()}.values())  # tied weights once, as the engine does
+    dst = [torch.empty_like(t, dtype=dtype) for t in unique]
+    times = []
+    for _ in range(3):
+        synchronize(unique[0].device)
+        start = time.perf_counter()
+        torch._foreach_copy_(dst, unique)
+        synchronize(unique[0].device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load(args) -> tuple[torch.nn.Module, object]:
+    """`--model`, or with `--random-init` its config with fresh random weights (no weight files needed)."""
+    if not args.random_init:
+        return load_model_and_tokenizer(args.model, device=args.device)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from training.utils.model import default_device, default_dtype, load_tokenizer
+
+    device = torch.device(args.device) if args.device else default_device()
+    config = AutoConfig.from_pretrained(args.model, local_files_only=True)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=default_dtype(device), attn_implementation="sdpa")
+    return model, load_tokenizer(args.model)
 
 
 @torch.inference_mode()
@@ -121,6 +162,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--repeats", type=int, default=1, help="alternate engine/generate runs; keep each one's best")
     parser.add_argument("--no-sync", action="store_true", help="skip the weight-sync timing")
+    parser.add_argument("--random-init", action="store_true", help="random weights from --model's config.json")
+    parser.add_argument("--decode-steps", default="auto", choices=["auto", "eager", "graphs", "static"])
     parser.add_argument(
         "--generate-on-main-thread", action="store_true", help="time `generate` on the main thread (see on_worker_thread)"
     )
@@ -129,17 +172,19 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)
+    model, tokenizer = load(args)
     model.eval()
     vocab = min(len(tokenizer), model.config.vocab_size)
-    print(f"model={args.model} device={model.device} dtype={model.dtype} threads={torch.get_num_threads()}")
+    device_name = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
+    print(f"model={args.model}{' (random init)' if args.random_init else ''} device={model.device} ({device_name}) "
+          f"dtype={model.dtype} decode_steps={args.decode_steps} threads={torch.get_num_threads()} torch={torch.__version__}")
     report = []
     for i, n in enumerate(args.requests):
         prompts = make_prompts(n, args.prompt_len, vocab, seed=n)
         runs, generate_runs = [], []
         for r in range(args.repeats):  # alternating, so load from other processes hits all alike
             with_sync = not args.no_sync and i == 0 and r == 0
-            runs.append(asyncio.run(bench_engine(model, tokenizer, prompts, args.max_tokens, with_sync)))
+            runs.append(asyncio.run(bench_engine(model, tokenizer, prompts, args.max_tokens, with_sync, args.decode_steps)))
             bench = (model, tokenizer, prompts, args.max_tokens)
             if args.generate_on_main_thread:
                 generate_runs.append(bench_generate(*bench))
@@ -161,11 +206,20 @@ def main() -> None:
             f"generate {tps['generate']:9.1f} tok/s  ratio engine/generate {row['engine_vs_generate']:.2f}x, "
             f"HTTP/generate {row['http_vs_generate']:.2f}x"
         )
+        graphs = {k: v for k, v in runs[-1]["decode_stats"].items() if k.startswith("graph_")}
+        if graphs:
+            print(f"  engine decode steps: {runs[-1]['decode_stats']['decode_steps']}, {graphs}")
         for kind in ("in_process_sync", "disk_sync"):
             if kind in runs[0]:
                 m = runs[0][kind]
                 row[kind + "_s"] = round(m["weight_sync_time"], 4)
                 print(f"  {kind}: {m['weight_sync_time'] * 1000:.1f} ms for {m['weight_sync_bytes'] / 2**20:.1f} MiB")
+        if "bare_copy" in runs[0]:
+            bare, synced = runs[0]["bare_copy"], runs[0]["in_process_sync"]["weight_sync_time"]
+            row["bare_copy_s"] = round(bare, 5)
+            row["in_process_sync_vs_bare_copy"] = round(bare / synced, 3)
+            print(f"  bare _foreach_copy_ of the same tensors: {bare * 1000:.2f} ms; in-process sync reaches "
+                  f"{bare / synced:.0%} of that bandwidth")
         report.append(row)
     print(json.dumps(report))
 

@@ -1,12 +1,22 @@
-"""Training throughput of the local trainer: forward_backward + optim_step on random datums.
+"""Training throughput and MFU of the local trainer, padded vs packed micro-batches, in one run.
 
-Every token of every datum is trained (weight 1), so the vocabulary projection runs on all
-of them: the most expensive case for a given shape. Tokens/s counts all input tokens.
+Each optimizer step is `forward_backward` + `optim_step` over RL-shaped datums: lengths drawn
+uniformly from [seq_len/4, seq_len], the first quarter of each a prompt (context), the rest
+trained. Both layouts train the same datums on the same model, one after the other:
+- padded: length-bucketed micro-batches, right-padded to their longest datum;
+- packed: `TrainerConfig.pack_sequences`, datums end to end in one row per micro-batch.
 
-    python benchmarks/trainer_throughput.py --batch 4 --seq-len 256 --steps 3
-    python benchmarks/trainer_throughput.py --device cuda --batch 32 --seq-len 1024 --peak-tflops 989
+    python benchmarks/trainer_throughput.py --shape smollm2-135m --batch 8 --seq-len 256 --steps 2
+    python benchmarks/trainer_throughput.py --shape llama-1b --batch 64 --seq-len 2048 \\
+        --max-tokens-per-microbatch 16384 --attn flex_attention      # one H100
 
-MFU uses the usual 6·params·tokens estimate (attention's sequence-quadratic term is left out).
+`--shape` builds a randomly initialized model of a known architecture (no weights needed);
+`--model` loads an alias or a local directory instead. Tokens/s counts real (unpadded) tokens.
+
+MFU = useful FLOPs / time / peak, with useful FLOPs per step = 6 × (decoder matmul parameters ×
+all tokens + lm_head parameters × trained tokens) + 6 × layers × attention width × Σ length²
+(causal attention, forward and backward). Recomputation and padding are not useful work. The
+peak is the bf16 dense spec of a known GPU (H100/H200: 989 TFLOP/s) or `--peak-tflops`.
 """
 
 from __future__ import annotations
@@ -19,37 +29,69 @@ import torch
 from training.utils.config import TrainerConfig
 from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer
 from training.utils.rl.rollout.types import Datum
-from training.utils.trainer import MicroBatch, Trainer
+from training.utils.trainer import MicroBatch, Trainer, weight_dtype
+
+SHAPES = {
+    # SmolLM2-135M-Instruct's architecture.
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+                         max_position_embeddings=8192),
+    # A 1.1B Llama shape (TinyLlama's): 22 layers of width 2048, grouped-query attention.
+    "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                     num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False, rope_theta=10000.0,
+                     max_position_embeddings=8192),
+}
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+"""Dense bf16 tensor-core peaks from the vendor's spec sheets (SXM parts)."""
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=SMOLLM2_ALIAS, help="alias or local HF directory")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--shape", choices=sorted(SHAPES), help="randomly initialized model of this architecture")
+    source.add_argument("--model", help=f"alias or local HF directory (default {SMOLLM2_ALIAS})")
     parser.add_argument("--batch", type=int, default=8, help="datums per optimizer step")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per datum")
-    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first")
-    parser.add_argument("--max-tokens-per-microbatch", type=int, default=8192)
+    parser.add_argument("--seq-len", type=int, default=512, help="longest datum; lengths are uniform in [1/4, 1]×")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per layout")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first, per layout")
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=4096)
+    parser.add_argument("--layouts", default="padded,packed", help="comma-separated: padded, packed")
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast", "bf16"])
+    parser.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, flex_attention, eager, ...)")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="device peak, for an MFU estimate")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: known GPUs)")
     return parser.parse_args()
 
 
-def random_datums(batch: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[Datum]:
+def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    if args.shape:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        config = LlamaConfig(**SHAPES[args.shape])
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn)
+        return model
+    model, _ = load_model_and_tokenizer(args.model or SMOLLM2_ALIAS, dtype=dtype, device=device)
+    model.set_attn_implementation(args.attn)
+    return model
+
+
+def rl_shaped_datums(batch: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[Datum]:
     generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(2, seq_len // 4), seq_len + 1, (batch,), generator=generator).tolist()
     datums = []
-    for index in range(batch):
-        tokens = torch.randint(0, vocab_size, (seq_len + 1,), generator=generator).tolist()
-        datums.append(
-            Datum(
-                input_ids=tokens[:-1],
-                target_ids=tokens[1:],
-                weights=[1.0] * seq_len,
-                behaviour_logprobs=[-10.0] * seq_len,
-                advantage=1.0 if index % 2 else -1.0,
-                prompt_len=1,
-            )
-        )
+    for index, length in enumerate(lengths):
+        tokens = torch.randint(0, vocab_size, (length + 1,), generator=generator).tolist()
+        prompt_len = max(1, length // 4)
+        datums.append(Datum(
+            input_ids=tokens[:-1],
+            target_ids=tokens[1:],
+            weights=[0.0] * (prompt_len - 1) + [1.0] * (length - prompt_len + 1),
+            behaviour_logprobs=[-10.0] * length,
+            advantage=1.0 if index % 2 else -1.0,
+            prompt_len=prompt_len,
+        ))
     return datums
 
 
@@ -60,41 +102,79 @@ def pg_loss(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[
     return loss, {"ratio_max": ratio.max().detach()}
 
 
+def useful_flops(model: torch.nn.Module, datums: list[Datum]) -> float:
+    """Forward + backward FLOPs of one step that any implementation must do (see the module docstring)."""
+    config = model.config
+    lm_head = model.get_output_embeddings().weight.numel()
+    # Every nn.Linear except lm_head: attention projections and MLP (the embedding is a lookup).
+    decoder = sum(m.weight.numel() for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear))
+    tokens = sum(len(d.input_ids) for d in datums)
+    trained = sum(sum(1 for w in d.weights if w) for d in datums)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention_width = config.num_attention_heads * head_dim
+    squares = sum(len(d.input_ids) ** 2 for d in datums)
+    return 6 * (decoder * tokens + lm_head * trained) + 6 * config.num_hidden_layers * attention_width * squares
+
+
+def device_peak_tflops(device: torch.device, given: float | None) -> float | None:
+    if given is not None or device.type != "cuda":
+        return given
+    name = torch.cuda.get_device_name(device)
+    return next((peak for gpu, peak in PEAK_BF16_TFLOPS.items() if gpu in name), None)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def main() -> None:
-    args = parse_args()
-    model, _ = load_model_and_tokenizer(args.model, device=args.device)
-    cfg = TrainerConfig(learning_rate=1e-6, max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+def time_layout(model, datums, args, device, packed: bool) -> float:
+    """Seconds per optimizer step, averaged over `args.steps` after `args.warmup`."""
+    cfg = TrainerConfig(learning_rate=1e-6, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                        precision=args.precision, pack_sequences=packed,
+                        gradient_checkpointing=args.gradient_checkpointing)
     trainer = Trainer(model, cfg)
-    datums = random_datums(args.batch, args.seq_len, model.config.vocab_size)
-    tokens_per_step = args.batch * args.seq_len
-
     for _ in range(args.warmup):
         trainer.forward_backward(datums, pg_loss)
         trainer.optim_step()
-    synchronize(trainer.device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(args.steps):
         trainer.forward_backward(datums, pg_loss)
         trainer.optim_step()
-    synchronize(trainer.device)
-    elapsed = time.perf_counter() - start
+    synchronize(device)
+    return (time.perf_counter() - start) / args.steps
 
-    tokens_per_s = tokens_per_step * args.steps / elapsed
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = weight_dtype(TrainerConfig(precision=args.precision), device)
+    model = build_model(args, device, dtype)
+    datums = rl_shaped_datums(args.batch, args.seq_len, model.config.vocab_size)
+    tokens = sum(len(d.input_ids) for d in datums)
+    flops = useful_flops(model, datums)
+    peak = device_peak_tflops(device, args.peak_tflops)
     params = sum(p.numel() for p in model.parameters())
     print(
-        f"model={args.model} params={params / 1e6:.1f}M device={trainer.device} dtype={model.dtype} "
-        f"batch={args.batch} seq_len={args.seq_len} max_tokens_per_microbatch={args.max_tokens_per_microbatch} "
-        f"torch_threads={torch.get_num_threads()}"
+        f"model={args.shape or args.model or SMOLLM2_ALIAS} params={params / 1e6:.1f}M device={device} "
+        f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) weights={dtype} "
+        f"precision={args.precision} attn={args.attn} batch={args.batch} seq_len<={args.seq_len} "
+        f"tokens/step={tokens} max_tokens_per_microbatch={args.max_tokens_per_microbatch} "
+        f"torch={torch.__version__} threads={torch.get_num_threads()}"
     )
-    print(f"step_time_s={elapsed / args.steps:.3f} train_tokens_per_s={tokens_per_s:.1f}")
-    if args.peak_tflops:
-        mfu = 6 * params * tokens_per_s / (args.peak_tflops * 1e12)
-        print(f"mfu={mfu:.4f} (6·params·tokens/s over {args.peak_tflops} TFLOP/s peak)")
+    step_s = {}
+    for layout in args.layouts.split(","):
+        step_s[layout] = time_layout(model, datums, args, device, packed=layout == "packed")
+        line = f"{layout:7s} step_s={step_s[layout]:.3f} train_tokens_per_s={tokens / step_s[layout]:.0f}"
+        line += f" useful_tflops={flops / step_s[layout] / 1e12:.2f}"
+        if peak:
+            line += f" mfu={flops / step_s[layout] / (peak * 1e12):.3f} (peak {peak} TFLOP/s)"
+        if device.type == "cuda":
+            line += f" peak_mem_gb={torch.cuda.max_memory_allocated(device) / 2**30:.1f}"
+        print(line, flush=True)
+    if {"padded", "packed"} <= step_s.keys():
+        print(f"packed_over_padded_speedup={step_s['padded'] / step_s['packed']:.2f}x")
 
 
 if __name__ == "__main__":

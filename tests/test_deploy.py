@@ -24,6 +24,8 @@ from training.utils.deploy import (
     DiskWeightSync,
     Engine,
     Sampler,
+    engine_dtype,
+    start_deployment,
     start_embedded_deployment,
 )
 from training.utils.deploy.decode import (
@@ -35,7 +37,8 @@ from training.utils.deploy.decode import (
     sample_next,
 )
 from training.utils.deploy.engine import _split_by_length
-from training.utils.errors import DeploymentError, RecoverableDeploymentError
+from training.utils.deploy.graphs import DecodeSteps
+from training.utils.errors import ConfigError, DeploymentError, RecoverableDeploymentError
 from training.utils.model import load_model_and_tokenizer
 from training.utils.tiny_model import tiny_config
 
@@ -559,6 +562,32 @@ def test_disk_sync_round_trip(tiny, tiny_other):
     assert bad[0] == 400 and bad[1]["success"] is False and "/nonexistent" in bad[1]["message"]
 
 
+def test_a_bfloat16_engine_copy_takes_float32_weights_on_sync(tiny, tiny_other):
+    """`deployment.dtype` sets the engine copy's weights; in-process sync rounds the trainer's float32 tensors."""
+    model, tok = tiny
+    prompt = tok.encode("The capital of France is")
+
+    async def main():
+        dep = await start_deployment(model, tok, DeploymentConfig(dtype="bfloat16"), model_name=MODEL_NAME)
+        try:
+            dtypes = {p.dtype for p in dep.engine.model.parameters()}
+            await dep.weight_sync.sync(tiny_other.state_dict(), version=1)
+            (after,) = await dep.sampler.sample(prompt, max_tokens=12, temperature=0)
+            served = {name: t.clone() for name, t in dep.engine.model.state_dict().items()}
+        finally:
+            await dep.close()
+        return dtypes, after, served
+
+    dtypes, after, served = asyncio.run(main())
+    assert dtypes == {torch.bfloat16}
+    assert model.dtype == torch.float32  # the policy itself is untouched
+    for name, tensor in tiny_other.state_dict().items():
+        assert torch.equal(served[name], tensor.to(torch.bfloat16)), name
+    assert after.output_ids == greedy_reference(copy.deepcopy(tiny_other).to(torch.bfloat16), prompt, 12)
+    assert engine_dtype(DeploymentConfig(), torch.device("cpu")) == torch.float32
+    assert engine_dtype(DeploymentConfig(), torch.device("cuda")) == torch.bfloat16
+
+
 # ---------------------------------------------------------------------------- HTTP server
 
 
@@ -869,3 +898,103 @@ def test_response_json_shape(tiny):
         assert choice["token_versions"] == [0] * len(choice["token_ids"])
     assert body["usage"]["prompt_tokens"] == 3
     json.dumps(body)
+
+
+# ---------------------------------------------------------------------------- static decode steps
+
+
+def test_static_steps_give_the_eager_logits_as_rows_join_leave_and_drain(tiny):
+    """The step CUDA graphs capture, run eagerly: the same logits as `KVBatch.decode` through an
+    in-place rebuild (a longer prompt joins), swap-removals, a trim, a drain and a refill."""
+    model, _ = tiny
+    steps = DecodeSteps(model, max_rows=8, capture=False)
+    g = torch.Generator().manual_seed(3)
+
+    def prompts(*lengths):
+        return [torch.randint(4, 260, (n,), generator=g).tolist() for n in lengths]
+
+    with torch.inference_mode():
+        first = prompts(9, 4, 6)
+        eager, logits = KVBatch.prefill(model, first)
+        stable = KVBatch.prefill(model, first)[0].with_stable_buffers(8)
+        buffers = stable.layers[0].keys_buf
+        tokens = logits.argmax(-1)
+
+        def advance(n):
+            nonlocal tokens
+            for _ in range(n):
+                want = eager.decode(model, tokens)
+                got = steps.step(stable, tokens)
+                assert got.shape == want.shape
+                # Logits here reach ~±10: float32 reductions over more (masked) columns differ by ~1e-5.
+                assert (got - want).abs().max() < 5e-5
+                assert stable.length == eager.length and torch.equal(stable.next_pos[: stable.rows],
+                                                                      eager.next_pos[: eager.rows])
+                tokens = want.argmax(-1)
+
+        advance(4)
+        joining = prompts(100, 2)  # longer than the batch: a rebuild, in place for the stable batch
+        new_eager, new_logits = KVBatch.prefill(model, joining)
+        eager = eager.insert(new_eager, row_capacity=8)
+        assert stable.insert(KVBatch.prefill(model, joining)[0], row_capacity=8) is stable
+        # The 100-token row grew the buffers, doubling (16 -> 128 columns); nothing later reallocates them.
+        grown = stable.layers[0].keys_buf
+        assert grown is not buffers and stable.column_capacity == 128
+        tokens = torch.cat([tokens, new_logits.argmax(-1)])
+        advance(3)
+        order = eager.remove([3, 0])  # the long row leaves: the rest is mostly left padding
+        assert stable.remove([3, 0]) == order
+        tokens = tokens[order]
+        advance(2)
+        order = eager.remove([0, 1])
+        stable.remove([0, 1])
+        tokens = tokens[order]
+        trimmed = eager.maybe_trim(8)
+        assert trimmed is not eager and trimmed.length < 64
+        eager = trimmed
+        assert stable.maybe_trim(8) is stable and stable.length == eager.length
+        advance(70)  # from under 64 columns to over: the step's column bucket changes
+        eager.remove(list(range(eager.rows)))
+        stable.remove(list(range(stable.rows)))
+        assert stable.maybe_trim(8) is stable and stable.rows == 0 and stable.length == 0
+        refill = prompts(5, 12)
+        eager, logits = KVBatch.prefill(model, refill)
+        stable.insert(KVBatch.prefill(model, refill)[0], row_capacity=8)
+        tokens = logits.argmax(-1)
+        advance(3)
+    assert stable.layers[0].keys_buf is grown
+
+
+@pytest.mark.parametrize("decode_steps", ["static", "eager"])
+def test_engine_greedy_and_logprobs_with_each_decode_step(tiny, decode_steps):
+    """Both step kinds through the whole engine: greedy tokens equal `generate`, sampled logprobs the trainer's."""
+    model, tok = tiny
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 260, (int(n),), generator=g).tolist() for n in torch.randint(1, 41, (9,), generator=g)]
+    max_tokens = [int(n) for n in torch.randint(1, 26, (9,), generator=g)]
+
+    async def main():
+        engine = Engine(copy.deepcopy(model), tok, DeploymentConfig(max_batch_requests=4, decode_steps=decode_steps))
+        try:
+            greedy = await asyncio.gather(
+                *[engine.generate(p, max_tokens=n, temperature=0) for p, n in zip(prompts, max_tokens)]
+            )
+            sampled = await asyncio.gather(*[engine.generate(p, max_tokens=12, temperature=0.7, seed=i)
+                                             for i, p in enumerate(prompts[:4])])
+        finally:
+            engine.close()
+        return greedy, sampled, dict(engine.stats)
+
+    greedy, sampled, stats = asyncio.run(main())
+    for prompt, n, (c,) in zip(prompts, max_tokens, greedy):
+        assert c.output_ids == greedy_reference(model, prompt, n)
+    for prompt, (c,) in zip(prompts, sampled):
+        want = trainer_logprobs(model, prompt, c.output_ids, 0.7)
+        assert (torch.tensor(c.logprobs) - want).abs().max() < 1e-4
+    assert ("graph_replays" in stats) == (decode_steps == "static") and stats.get("graph_replays", 0) == 0
+
+
+def test_graph_decode_steps_need_cuda(tiny):
+    model, tok = tiny
+    with pytest.raises(ConfigError, match="decode_steps='graphs' needs a CUDA device"):
+        Engine(copy.deepcopy(model), tok, DeploymentConfig(decode_steps="graphs"))

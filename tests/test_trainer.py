@@ -107,6 +107,77 @@ def test_plan_microbatches_buckets_by_length():
     assert plan_microbatches([50, 4, 4], max_tokens=8) == [[0], [1, 2]]
 
 
+def test_plan_microbatches_packs_by_token_sum():
+    # Padded, 6 and 4 cost 2 × 6 = 12 > 10; packed they cost 10. First-fit decreasing.
+    assert plan_microbatches([6, 4, 3, 3, 2], max_tokens=10) == [[0], [1, 2], [3, 4]]
+    assert plan_microbatches([6, 4, 3, 3, 2], max_tokens=10, packed=True) == [[0, 1], [2, 3, 4]]
+    assert plan_microbatches([50, 4, 4], max_tokens=8, packed=True) == [[0], [1, 2]]
+
+
+def test_packed_sequences_give_the_padded_logprobs_and_gradient(model):
+    datums = random_datums([23, 6, 14, 31, 2, 9, 14])
+    padded = Trainer(model, TrainerConfig(logprob_chunk_tokens=8, max_tokens_per_microbatch=64))
+    packed = Trainer(model, TrainerConfig(logprob_chunk_tokens=8, max_tokens_per_microbatch=64, pack_sequences=True))
+    rows_seen = []
+
+    def loss_recording_rows(logprobs, mb):
+        rows_seen.append(len(mb.datum_indices))
+        return token_mean_pg_loss(logprobs, mb)
+
+    want_lp, want_ent = padded.logprobs(datums, 0.7, with_entropy=True)
+    got_lp, got_ent = packed.logprobs(datums, 0.7, with_entropy=True)
+    for want, got in zip(want_lp + want_ent, got_lp + got_ent):
+        assert want.shape == got.shape
+        assert (want - got).abs().max() < 1e-5
+
+    want_loss = padded.forward_backward(datums, token_mean_pg_loss)["loss"]
+    want_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    got_loss = packed.forward_backward(datums, loss_recording_rows)["loss"]
+    # 92 tokens in 64-token rows: two packed micro-batches, each holding several datums.
+    assert sorted(rows_seen) == [3, 4]
+    assert got_loss == pytest.approx(want_loss, abs=1e-6)
+    for name, grad in grads(model).items():
+        assert (grad - want_grads[name]).abs().max() < 1e-6, name
+
+
+def test_bf16_autocast_keeps_float32_weights_that_take_small_updates():
+    """An update below bf16 resolution is lost in bf16 weights and kept by float32 master weights."""
+    datums = random_datums([20, 12, 16])
+    changed = {}
+    for precision in ("bf16-autocast", "bf16"):
+        torch.manual_seed(0)
+        model, _ = load_model_and_tokenizer(tiny_config(VOCAB), device="cpu")
+        trainer = Trainer(model, TrainerConfig(learning_rate=1e-5, precision=precision))
+        weight = model.model.layers[0].mlp.up_proj.weight
+        assert weight.dtype == (torch.float32 if precision == "bf16-autocast" else torch.bfloat16)
+        before = weight.detach().clone()
+        trainer.forward_backward(datums, token_mean_pg_loss)
+        assert weight.grad.dtype == weight.dtype
+        trainer.optim_step()
+        changed[precision] = (weight.detach() != before).float().mean().item()
+    # Adam's first step moves every weight by ~lr = 1e-5; bf16 resolves that only near 0.
+    assert changed["bf16-autocast"] > 0.99
+    assert changed["bf16"] < 0.5
+
+
+def test_bf16_autocast_runs_the_matmuls_in_bf16(model):
+    datums = random_datums([20, 12])
+    exact = Trainer(model, TrainerConfig(precision="fp32")).logprobs(datums)
+    autocast = Trainer(model, TrainerConfig(precision="bf16-autocast")).logprobs(datums)
+    assert model.dtype == torch.float32
+    gaps = [(a - b).abs().max().item() for a, b in zip(exact, autocast)]
+    # bf16 matmuls move logprobs by ~1e-3, far above float32's ~1e-7 and far below a wrong result.
+    assert 1e-4 < max(gaps) < 0.1
+
+
+def test_a_model_in_another_dtype_is_converted_to_the_trainer_precision():
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer(tiny_config(VOCAB), device="cpu", dtype=torch.bfloat16)
+    Trainer(model, TrainerConfig())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
 @pytest.mark.parametrize("loss_fn", [token_mean_pg_loss, seq_mean_pg_loss])
 def test_microbatched_gradient_equals_full_batch_gradient(model, loss_fn):
     datums = random_datums([23, 6, 14, 31, 9, 14])

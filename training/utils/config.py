@@ -37,6 +37,16 @@ class TrainerConfig(StrictModel):
     max_tokens_per_microbatch: int = Field(2048, gt=0)
     """Token budget of one forward/backward; sequences are length-bucketed into micro-batches under it.
     Activation memory grows with it (~2 GB per 1k tokens for a 135M model in float32 on CPU); raise it on GPUs."""
+    pack_sequences: bool = False
+    """Concatenate each micro-batch's datums into one row, position ids restarting at every datum, instead of
+    right-padding them to the longest: no padding is computed, and the budget counts real tokens. The attention
+    kernel must keep the datums apart: flash/flex attention do so at the cost of each datum alone; the default
+    `sdpa` builds a block-diagonal mask and pays for the whole row's length squared, so leave packing off on CPUs."""
+    precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
+    """Trainer numerics. `fp32`: float32 everywhere. `bf16-autocast`: float32 weights, gradients and AdamW state,
+    matmuls in bfloat16 under autocast. `bf16`: bfloat16 weights and AdamW state (half the memory, but an update
+    smaller than a weight's bf16 resolution is lost). `auto`: bf16-autocast on CUDA, fp32 on CPU. The reference
+    model uses the same numerics as the policy."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     logprob_chunk_tokens: int = Field(1024, gt=0)
@@ -103,6 +113,14 @@ class DeploymentConfig(StrictModel):
     inflight_on_sync: Literal["finish_old", "continue_new"] = "continue_new"
     """What in-flight requests do at a weight sync: finish on the old weights (the sync waits for them),
     or pause and continue on the new weights (the embedded engine records each token's version)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights of the embedded engine's model copy; `auto`: bfloat16 on CUDA, float32 on CPU. In-process sync
+    converts the trainer's (float32) tensors on copy."""
+    decode_steps: Literal["auto", "eager", "graphs", "static"] = "auto"
+    """How the embedded engine runs a decode step. `graphs` (CUDA only): captured CUDA graphs, one per (rows,
+    columns) bucket, replayed without launch overhead. `eager`: a plain forward over the live rows and columns.
+    `static`: the graphs' static-shape step run without capture, to tell a capture problem from a shape problem.
+    `auto`: graphs on CUDA, eager elsewhere."""
     max_batch_requests: int = Field(64, gt=0)
     """Most sequences the engine decodes at once."""
     max_context_tokens: int | None = Field(None, gt=0)

@@ -75,10 +75,16 @@ LossFn = Callable[[Tensor, MicroBatch], tuple[Tensor, dict[str, Tensor]]]
 
 @dataclass
 class _PaddedBatch:
-    """One micro-batch's tensors, right-padded; `positions` index the flattened (b·T) grid."""
+    """One micro-batch's tensors, right-padded; `positions` index the flattened (b·T) grid.
+
+    The model sees `input_ids` with `attention_mask` and `position_ids`: the padded grid itself,
+    or (packed) one row of the datums end to end, without a mask, position ids restarting at each
+    datum. `hidden_index` says where each of `positions` is in the model's flattened output.
+    """
 
     input_ids: Tensor
-    attention_mask: Tensor
+    attention_mask: Tensor | None
+    position_ids: Tensor | None
     target_ids: Tensor
     weights: Tensor
     behaviour_logprobs: Tensor
@@ -86,18 +92,20 @@ class _PaddedBatch:
     extras: dict[str, Tensor]
     positions: Tensor
     """(N,) flat indices of the tokens whose logprob is computed."""
+    hidden_index: Tensor
+    """(N,) the same tokens' flat indices in the model's input."""
+
+    @property
+    def shape(self) -> torch.Size:
+        """(b, T) of the padded grid the loss sees."""
+        return self.target_ids.shape
 
     def to(self, device: torch.device) -> _PaddedBatch:
-        return _PaddedBatch(
-            input_ids=self.input_ids.to(device),
-            attention_mask=self.attention_mask.to(device),
-            target_ids=self.target_ids.to(device),
-            weights=self.weights.to(device),
-            behaviour_logprobs=self.behaviour_logprobs.to(device),
-            advantages=self.advantages.to(device),
-            extras={name: values.to(device) for name, values in self.extras.items()},
-            positions=self.positions.to(device),
-        )
+        return _PaddedBatch(**{
+            name: (value.to(device) if isinstance(value, Tensor) else
+                   {k: v.to(device) for k, v in value.items()} if isinstance(value, dict) else value)
+            for name, value in vars(self).items()
+        })
 
 
 def lr_multiplier(step: int, cfg: TrainerConfig) -> float:
@@ -120,12 +128,38 @@ def lr_multiplier(step: int, cfg: TrainerConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Length-bucket datums: longest first, fill each micro-batch while longest × count ≤ max_tokens.
+def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
+    """`cfg.precision` with `auto` decided: bf16-autocast on CUDA, fp32 elsewhere."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    return "bf16-autocast" if device.type == "cuda" else "fp32"
 
-    A datum longer than the budget goes alone. Returns lists of indices into `lengths`.
+
+def weight_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
+    """The dtype the trainer keeps its weights (and AdamW state) in: float32 unless `precision` is bf16."""
+    return torch.bfloat16 if resolve_precision(cfg, device) == "bf16" else torch.float32
+
+
+def plan_microbatches(lengths: list[int], max_tokens: int, *, packed: bool = False) -> list[list[int]]:
+    """Group datums into micro-batches of at most `max_tokens` computed tokens; returns lists of indices.
+
+    Padded (default): longest first, fill each micro-batch while longest × count ≤ max_tokens.
+    Packed: first-fit decreasing on the sum of lengths (a packed row holds no padding).
+    A datum longer than the budget goes alone.
     """
     longest_first = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if packed:
+        bins: list[list[int]] = []
+        filled: list[int] = []
+        for index in longest_first:
+            fit = next((b for b, used in enumerate(filled) if used + lengths[index] <= max_tokens), None)
+            if fit is None:
+                bins.append([])
+                filled.append(0)
+                fit = len(bins) - 1
+            bins[fit].append(index)
+            filled[fit] += lengths[index]
+        return bins
     microbatches: list[list[int]] = []
     current: list[int] = []
     for index in longest_first:
@@ -178,9 +212,9 @@ def _pad(rows: list, dtype: torch.dtype) -> Tensor:
 
 
 def _collate(
-    datums: list[Datum], indices: list[int], extras: dict[str, list], *, trained_only: bool
+    datums: list[Datum], indices: list[int], extras: dict[str, list], *, trained_only: bool, packed: bool
 ) -> _PaddedBatch:
-    """Pad the selected datums on the CPU; pick the positions whose logprob is needed.
+    """Pad (or pack) the selected datums on the CPU; pick the positions whose logprob is needed.
 
     `trained_only` keeps positions with non-zero weight (the only ones a loss can use), else all
     real tokens. Positions are found on the CPU so the device never syncs to size them.
@@ -189,16 +223,27 @@ def _collate(
     input_ids = _pad([d.input_ids for d in chosen], torch.long)
     attention_mask = _pad([[1] * len(d.input_ids) for d in chosen], torch.long)
     weights = _pad([d.weights for d in chosen], torch.float32)
-    needed = weights != 0 if trained_only else attention_mask.bool()
+    positions = (weights != 0 if trained_only else attention_mask.bool()).flatten().nonzero().squeeze(1)
+    position_ids, hidden_index = None, positions
+    if packed:
+        lengths = torch.tensor([len(d.input_ids) for d in chosen])
+        input_ids = input_ids[attention_mask.bool()][None]
+        position_ids = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
+        row_starts = lengths.cumsum(0) - lengths
+        width = attention_mask.shape[1]
+        hidden_index = row_starts[positions // width] + positions % width
+        attention_mask = None
     return _PaddedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
+        position_ids=position_ids,
         target_ids=_pad([d.target_ids for d in chosen], torch.long),
         weights=weights,
         behaviour_logprobs=_pad([d.behaviour_logprobs for d in chosen], torch.float32),
         advantages=torch.tensor([d.advantage for d in chosen], dtype=torch.float32),
         extras={name: _pad([rows[i] for i in indices], torch.float32) for name, rows in extras.items()},
-        positions=needed.flatten().nonzero().squeeze(1),
+        positions=positions,
+        hidden_index=hidden_index,
     )
 
 
@@ -303,7 +348,12 @@ class Trainer:
         self.optimizer: torch.optim.AdamW | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.lora = trainable and cfg.lora_rank > 0
+        self.precision = resolve_precision(cfg, self.device)
         self._sharded_root: _ShardedRoot | None = None
+        dtype = weight_dtype(cfg, self.device)
+        if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
+            # Load in this dtype to avoid the conversion (from bf16 it cannot restore lost precision).
+            model.to(dtype)
         if not trainable:
             model.requires_grad_(False)
             model.eval()
@@ -344,11 +394,12 @@ class Trainer:
         and pads its plan with `None` fillers to the longest plan of any rank, which it computes
         locally: FSDP2 needs every rank to run as many forwards and backwards.
         """
-        budget = self.cfg.max_tokens_per_microbatch
+        budget, packed = self.cfg.max_tokens_per_microbatch, self.cfg.pack_sequences
         if self._sharded_root is None:
-            return plan_microbatches(lengths, budget)
+            return plan_microbatches(lengths, budget, packed=packed)
         plans = [
-            [[share[i] for i in mb] for mb in plan_microbatches([lengths[i] for i in share], budget)] if share else []
+            [[share[i] for i in mb] for mb in plan_microbatches([lengths[i] for i in share], budget, packed=packed)]
+            if share else []
             for share in distributed.rank_shares(lengths, distributed.world_size())
         ]
         mine = plans[distributed.rank()]
@@ -368,8 +419,8 @@ class Trainer:
             (logprobs_BT.sum() * 0.0).backward()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.precision == "bf16-autocast":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _forward(self, batch: _PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
@@ -377,9 +428,12 @@ class Trainer:
         lm_head = self.model.get_output_embeddings()
         with self._autocast():
             hidden_BTH = self.model.get_decoder()(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                use_cache=False,
             ).last_hidden_state
-            hidden_NH = hidden_BTH.flatten(0, 1).index_select(0, batch.positions)
+            hidden_NH = hidden_BTH.flatten(0, 1).index_select(0, batch.hidden_index)
             targets_N = batch.target_ids.flatten().index_select(0, batch.positions)
             logprob_chunks, entropy_chunks = [], []
             num_positions = len(batch.positions)
@@ -400,9 +454,8 @@ class Trainer:
                 else:
                     logprobs_C = _chunk_logprobs(lm_head, hidden_CH, targets_C, temperature)
                 logprob_chunks.append(logprobs_C)
-        shape = batch.input_ids.shape
-        logprobs_BT = _scatter(_cat(logprob_chunks, hidden_NH), batch.positions, shape)
-        entropy_BT = _scatter(_cat(entropy_chunks, hidden_NH), batch.positions, shape) if with_entropy else None
+        logprobs_BT = _scatter(_cat(logprob_chunks, hidden_NH), batch.positions, batch.shape)
+        entropy_BT = _scatter(_cat(entropy_chunks, hidden_NH), batch.positions, batch.shape) if with_entropy else None
         return logprobs_BT, entropy_BT
 
     @torch.no_grad()
@@ -423,7 +476,7 @@ class Trainer:
             if indices is None:
                 self._filler_pass(backward=False)
                 continue
-            batch = _collate(datums, indices, {}, trained_only=False).to(self.device)
+            batch = _collate(datums, indices, {}, trained_only=False, packed=self.cfg.pack_sequences).to(self.device)
             logprobs_BT, entropy_BT = self._model_forward(batch, temperature, with_entropy)
             logprobs_BT = logprobs_BT.cpu()
             entropy_BT = entropy_BT.cpu() if with_entropy else None
@@ -473,11 +526,16 @@ class Trainer:
         self.model.train()
         num_tokens_total = float(sum(sum(d.weights) for d in datums))
         totals = _MetricTotals()
-        for indices in self._microbatches([len(d) for d in datums]):
+        plan = self._microbatches([len(d) for d in datums])
+        for number, indices in enumerate(plan):
+            if self._sharded_root is not None:
+                # FSDP2 reduces the gradients once, after the last backward, not after each one.
+                self._sharded_root.set_requires_gradient_sync(number == len(plan) - 1)
             if indices is None:
                 self._filler_pass(backward=True)
                 continue
-            batch = _collate(datums, indices, extras, trained_only=True).to(self.device)
+            batch = _collate(datums, indices, extras, trained_only=True, packed=self.cfg.pack_sequences)
+            batch = batch.to(self.device)
             if self._sharded_root is not None and batch.positions.numel() == 0:
                 # Nothing to train (its loss would have no graph, so this rank alone would skip a
                 # backward and FSDP2's gradient reduction); its metrics are left out.
@@ -644,9 +702,10 @@ def _filler_batch() -> _PaddedBatch:
     """One token (id 0) whose logprob is computed and never trained."""
     token = torch.zeros((1, 1), dtype=torch.long)
     zeros = torch.zeros((1, 1))
-    return _PaddedBatch(input_ids=token, attention_mask=torch.ones_like(token), target_ids=token, weights=zeros,
-                        behaviour_logprobs=zeros, advantages=torch.zeros(1), extras={},
-                        positions=torch.zeros(1, dtype=torch.long))
+    position = torch.zeros(1, dtype=torch.long)
+    return _PaddedBatch(input_ids=token, attention_mask=torch.ones_like(token), position_ids=None, target_ids=token,
+                        weights=zeros, behaviour_logprobs=zeros, advantages=torch.zeros(1), extras={},
+                        positions=position, hidden_index=position)
 
 
 def _unsharded_copy(model: torch.nn.Module, state: dict[str, Tensor], device: torch.device) -> torch.nn.Module:

@@ -21,6 +21,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from training.utils.config import DeploymentConfig
 from training.utils.deploy.completion import Completion, InvalidRequestError
 from training.utils.deploy.engine import Engine, read_safetensors
@@ -43,6 +45,7 @@ __all__ = [
     "Sampler",
     "WeightSync",
     "connect_external_deployment",
+    "engine_dtype",
     "make_weight_sync",
     "read_safetensors",
     "start_deployment",
@@ -129,6 +132,13 @@ async def start_embedded_deployment(
 Deployment = EmbeddedDeployment | ExternalDeployment
 
 
+def engine_dtype(cfg: DeploymentConfig, device: torch.device) -> torch.dtype:
+    """The embedded engine's weight dtype: `cfg.dtype`, or bfloat16 on CUDA and float32 elsewhere."""
+    if cfg.dtype != "auto":
+        return getattr(torch, cfg.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 async def start_deployment(
     policy_model, tokenizer, cfg: DeploymentConfig, *, model_name: str, sampling_timeout_s: float = 300.0
 ) -> Deployment:
@@ -137,8 +147,10 @@ async def start_deployment(
     `cfg.kind` names (no copy: the server holds its own weights, and `disk` sync writes the policy's
     config next to them). Call from a running event loop."""
     if cfg.kind == "embedded":
+        engine_model = standalone_copy(policy_model)
         return await start_embedded_deployment(
-            standalone_copy(policy_model), tokenizer, cfg, model_name=model_name, sampling_timeout_s=sampling_timeout_s
+            engine_model.to(engine_dtype(cfg, engine_model.device)), tokenizer, cfg, model_name=model_name,
+            sampling_timeout_s=sampling_timeout_s,
         )
     return await connect_external_deployment(
         cfg, tokenizer, model_name, model_config=policy_model.config, sampling_timeout_s=sampling_timeout_s

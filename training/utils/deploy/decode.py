@@ -22,10 +22,16 @@ instead re-concatenates the whole cache every step). Live rows are the first B s
   only the moved rows are copied, and the caller reorders its own row list the same way.
 - When every live row has a long stretch of padding on its left (the rows that needed
   the width are gone), `maybe_trim` rebuilds the batch without it.
+
+A batch with `stable_buffers` (what captured CUDA-graph steps need, `graphs.py`) keeps its
+buffers for good: rebuilds copy into them, columns grow by doubling, and an emptied batch is
+kept for the next rows. `generation` changes only when the buffers are reallocated. Every
+slot's mask is 0 from column L on, so a step may attend over any number of columns >= L+1.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +41,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 # Columns added whenever a buffer runs out: large enough that growth is rare, small enough
 # that the spare columns cost little memory next to the live ones.
 _GROW_COLUMNS = 64
+# Buffer allocations, numbered: a batch's `generation` names the buffers it holds.
+_generations = itertools.count()
 
 
 class _SlotLayer(DynamicLayer):
@@ -76,8 +84,10 @@ class _SlotLayer(DynamicLayer):
         self._refresh_views()
         return self.keys, self.values
 
-    def grow_columns(self, min_columns: int) -> None:
+    def grow_columns(self, min_columns: int, doubling: bool = False) -> None:
         columns = max(min_columns, self.keys_buf.shape[2]) + _GROW_COLUMNS
+        if doubling:
+            columns = next_power_of_two(min_columns)
         for name in ("keys_buf", "values_buf"):
             old = getattr(self, name)
             new = old.new_zeros(old.shape[0], old.shape[1], columns, old.shape[3])
@@ -98,6 +108,10 @@ def _with_spare(t: torch.Tensor) -> torch.Tensor:
     return t.new_zeros(t.shape[0], t.shape[1], t.shape[2] + _GROW_COLUMNS, t.shape[3])
 
 
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _num_layers(model) -> int:
     return model.config.get_text_config().num_hidden_layers
 
@@ -114,6 +128,8 @@ class KVBatch:
         self.next_pos = next_pos  # (R,) int64: a row's next position id = its token count
         self.rows = rows  # B
         self.length = length  # L: filled columns, the same for every row
+        self.stable_buffers = False
+        self.generation = next(_generations)
 
     @property
     def row_capacity(self) -> int:
@@ -158,13 +174,24 @@ class KVBatch:
         batch.mask_buf = _pad_columns(mask, layers[0].keys_buf.shape[2])
         return batch, out.logits[:, -1, :]
 
+    @property
+    def column_capacity(self) -> int:
+        return self.mask_buf.shape[1]
+
     def ensure_capacity(self, columns: int) -> None:
         """Grow every buffer so that `columns` columns fit (called before a decode step)."""
-        if columns <= self.mask_buf.shape[1]:
+        if columns <= self.column_capacity:
             return
         for layer in self.layers:
-            layer.grow_columns(columns)
+            layer.grow_columns(columns, doubling=self.stable_buffers)
         self.mask_buf = _pad_columns(self.mask_buf, self.layers[0].keys_buf.shape[2])
+        self.generation = next(_generations)
+
+    def with_stable_buffers(self, row_capacity: int) -> KVBatch:
+        """This batch's rows in buffers kept for good (see the module docstring), `row_capacity` rows."""
+        batch = KVBatch.gather([(self, None)], row_capacity, min_columns=next_power_of_two(self.length + 1))
+        batch.stable_buffers = True
+        return batch
 
     def decode(self, model, tokens_B: torch.Tensor) -> torch.Tensor:
         """Feed one token per live row; return next-token logits (B, V)."""
@@ -210,7 +237,7 @@ class KVBatch:
         """Append `new`'s rows after the live rows; returns the batch holding them (self if they fit in place)."""
         B, k, L = self.rows, new.rows, self.length
         if B + k > self.row_capacity or new.length > L:
-            return KVBatch.gather([(self, None), (new, None)], row_capacity)
+            return self._rebuild([(self, None), (new, None)], row_capacity)
         start = L - new.length
         for la, lb in zip(self.layers, new.layers, strict=True):
             for buf, live in ((la.keys_buf, lb.keys), (la.values_buf, lb.values)):
@@ -224,26 +251,59 @@ class KVBatch:
 
     def maybe_trim(self, row_capacity: int = 0) -> KVBatch:
         """Rebuild without the left padding every live row has, once it is at least half the width."""
+        if self.rows == 0:
+            self.mask_buf.zero_()
+            self._set_length(0)
+            return self
         lead = self.length - int(self.next_pos[: self.rows].max())
         if lead >= max(_GROW_COLUMNS, self.length // 2):
-            return KVBatch.gather([(self, None)], row_capacity)
+            return self._rebuild([(self, None)], row_capacity)
+        return self
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        for layer in self.layers:
+            layer.length = length
+            layer._refresh_views()
+
+    def _rebuild(self, parts: Sequence[tuple[KVBatch, Sequence[int] | None]], row_capacity: int) -> KVBatch:
+        """`gather(parts)`: a new batch, or with stable buffers, the same rows copied into this batch's buffers."""
+        if not self.stable_buffers:
+            return KVBatch.gather(parts, row_capacity)
+        staged = KVBatch.gather(parts)
+        if staged.rows > self.row_capacity:
+            raise ValueError(f"{staged.rows} rows do not fit the {self.row_capacity} slots of a stable batch")
+        self.ensure_capacity(staged.length + 1)
+        B, L = staged.rows, staged.length
+        for mine, theirs in zip(self.layers, staged.layers, strict=True):
+            mine.keys_buf[:B, :, :L] = theirs.keys
+            mine.values_buf[:B, :, :L] = theirs.values
+        self.mask_buf.zero_()
+        self.mask_buf[:B, :L] = staged.mask_buf[:B, :L]
+        self.next_pos[:B] = staged.next_pos[:B]
+        self._set_rows(B)
+        self._set_length(L)
         return self
 
     @staticmethod
-    def gather(parts: Sequence[tuple[KVBatch, Sequence[int] | None]], row_capacity: int = 0) -> KVBatch:
+    def gather(
+        parts: Sequence[tuple[KVBatch, Sequence[int] | None]], row_capacity: int = 0, min_columns: int = 0
+    ) -> KVBatch:
         """A new batch of the listed rows of each part (None = all live rows; repeats allowed), in order.
 
         The width is the longest selected row (shared left padding is dropped); rows are
-        allocated for max(selected rows, row_capacity).
+        allocated for max(selected rows, row_capacity), columns for max(width + spare, min_columns).
         """
         device = parts[0][0].mask_buf.device
         picks = []
         for batch, rows in parts:
             index = torch.arange(batch.rows, device=device) if rows is None else torch.as_tensor(rows, device=device)
-            picks.append((batch, index.long()))
+            if len(index):
+                picks.append((batch, index.long()))
         total = sum(len(index) for _, index in picks)
-        width = max(int(batch.next_pos.index_select(0, index).max()) for batch, index in picks)
+        width = max((int(batch.next_pos.index_select(0, index).max()) for batch, index in picks), default=0)
         capacity = max(total, row_capacity)
+        columns = max(width + _GROW_COLUMNS, min_columns)
         # Where each part's rows go: destination rows, and its last w columns -> the last w columns.
         moves, at = [], 0
         for batch, index in picks:
@@ -252,13 +312,13 @@ class KVBatch:
             at += len(index)
         layers = []
         for i, layer in enumerate(parts[0][0].layers):
-            shape = (capacity, layer.keys_buf.shape[1], width + _GROW_COLUMNS, layer.keys_buf.shape[3])
+            shape = (capacity, layer.keys_buf.shape[1], columns, layer.keys_buf.shape[3])
             keys, values = layer.keys_buf.new_zeros(shape), layer.values_buf.new_zeros(shape)
             for batch, index, dst, src, w in moves:
                 keys[dst, :, width - w : width] = batch.layers[i].keys_buf[:, :, src].index_select(0, index)
                 values[dst, :, width - w : width] = batch.layers[i].values_buf[:, :, src].index_select(0, index)
             layers.append(_SlotLayer(keys, values, total, width))
-        mask = torch.zeros(capacity, width + _GROW_COLUMNS, dtype=torch.long, device=device)
+        mask = torch.zeros(capacity, columns, dtype=torch.long, device=device)
         next_pos = torch.zeros(capacity, dtype=torch.long, device=device)
         for batch, index, dst, src, w in moves:
             mask[dst, width - w : width] = batch.mask_buf[:, src].index_select(0, index)

@@ -25,9 +25,8 @@ the manager ~27 tokens/s and `generate` ~10 tokens/s, but timings there swing 2-
 to run; our loop is measured against `generate` in `benchmarks/sampler_throughput.py`. The
 tests hold it to the library path: greedy tokens equal `model.generate(do_sample=False)`,
 and logprobs equal the trainer's `log_softmax(model(prompt + output).logits / T)`.
-Not done yet: capturing the decode step in a CUDA graph over a static cache. On an H100 an
-eager decode step of a 135M model is launch-bound (~0.1 s, like `generate`'s), and a captured
-step measured ~8x `generate`; `decode.KVBatch` keeps rows in fixed slots with that in mind.
+On CUDA the decode step is captured in CUDA graphs (`graphs.py`, `cfg.decode_steps`): an
+eager decode step of a 135M model on an H100 is launch-bound (~0.1 s, like `generate`'s).
 
 How it works: one thread owns the model. Each iteration it (1) applies a queued weight
 update if allowed, (2) admits queued sequences into free slots (up to
@@ -70,7 +69,8 @@ import torch
 from training.utils.config import DeploymentConfig
 from training.utils.deploy.completion import Completion, InvalidRequestError
 from training.utils.deploy.decode import KVBatch, SamplingParams_B, sample_next
-from training.utils.errors import DeploymentError, RecoverableDeploymentError
+from training.utils.deploy.graphs import DecodeSteps
+from training.utils.errors import ConfigError, DeploymentError, RecoverableDeploymentError
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ class Engine:
         self._params_B: SamplingParams_B | None = None
         self._split_cost_tokens = _PREFILL_SPLIT_COST_TOKENS if self.model.device.type == "cpu" else None
         self.stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0, "weight_updates": 0}
+        self._steps = _decode_steps(self.model, cfg, self.stats)
         self._thread = threading.Thread(target=self._run, name="deploy-engine", daemon=True)
         self._thread.start()
 
@@ -464,14 +465,20 @@ class Engine:
             logits_P = logits_P[torch.tensor(rows, device=logits_P.device)]
         params = _sampling_params(admitted, logits_P.device)
         capacity = self.cfg.max_batch_requests
-        self._batch = new if self._batch is None else self._batch.insert(new, capacity)
+        if self._batch is not None:
+            self._batch = self._batch.insert(new, capacity)
+        else:
+            self._batch = new.with_stable_buffers(capacity) if self._steps is not None else new
         self._rows = self._rows + admitted
         self._params_B = None
         self._record(admitted, logits_P, params, first_row=len(self._rows) - len(admitted))
 
     def _decode(self) -> None:
         tokens = torch.tensor([seq.output_ids[-1] for seq in self._rows], device=self.model.device)
-        logits = self._batch.decode(self.model, tokens)
+        if self._steps is not None:
+            logits = self._steps.step(self._batch, tokens)
+        else:
+            logits = self._batch.decode(self.model, tokens)
         self.stats["decode_steps"] += 1
         if self._params_B is None:
             self._params_B = _sampling_params(self._rows, logits.device)
@@ -512,7 +519,7 @@ class Engine:
 
     def _retire(self, rows: list[int]) -> None:
         done = [self._rows[i] for i in rows]
-        if len(rows) == len(self._rows):
+        if len(rows) == len(self._rows) and self._steps is None:
             self._rows, self._batch = [], None
         else:
             order = self._batch.remove(rows)  # the batch moves rows; mirror it in `_rows`
@@ -602,6 +609,18 @@ class Engine:
         if not dst:
             raise ValueError("update_weights: no tensors given")
         return dst, src
+
+
+def _decode_steps(model, cfg: DeploymentConfig, stats: dict[str, int]) -> DecodeSteps | None:
+    """Static-shape decode steps for `cfg.decode_steps` (captured on CUDA), or None for eager steps."""
+    mode = cfg.decode_steps
+    if mode == "auto":
+        mode = "graphs" if model.device.type == "cuda" else "eager"
+    if mode == "eager":
+        return None
+    if mode == "graphs" and model.device.type != "cuda":
+        raise ConfigError(f"deployment.decode_steps='graphs' needs a CUDA device; the engine model is on {model.device}")
+    return DecodeSteps(model, cfg.max_batch_requests, capture=mode == "graphs", stats=stats)
 
 
 def read_safetensors(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:

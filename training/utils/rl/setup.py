@@ -11,16 +11,16 @@ from training.utils.config import RLConfig
 from training.utils.deploy import Deployment, EmbeddedDeployment
 from training.utils.errors import ConfigError
 from training.utils.logging import RunLogger
-from training.utils.model import load_model_and_tokenizer
+from training.utils.model import default_device, load_model_and_tokenizer
 from training.utils.rl.agent import AgentShim
 from training.utils.rl.rollout.types import RolloutSetup
-from training.utils.trainer import Reference, Trainer
+from training.utils.trainer import Reference, Trainer, weight_dtype
 
 
 def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference | None, Any]:
     """The policy trainer and, when kl_beta > 0, the reference: a frozen copy of the initial policy,
     or with LoRA the policy's own module with its adapters disabled (the base model, no copy)."""
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weight_dtype(cfg.trainer, default_device()))
     trainer_cfg = cfg.trainer
     if trainer_cfg.total_steps is None:
         optimizer_steps = total_steps * cfg.ppo_epochs * cfg.ppo_minibatches

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Run on the GPU machine from the repo root, one part per device call (each fits in 10 minutes):
+#   bash benchmarks/gpu/run.sh tests      # nvidia-smi + tests/test_gpu.py + the trainer/deploy tests on CUDA
+#   bash benchmarks/gpu/run.sh trainer    # trainer tokens/s and MFU: SmolLM2 shape and a 1.1B Llama, padded vs packed
+#   bash benchmarks/gpu/run.sh sampler    # engine (CUDA graphs, eager) vs generate at 64 and 256 requests; weight sync
+#   bash benchmarks/gpu/run.sh async      # async vs sync recipe on the GPU
+# with `carry: [".whl", ".gpu_assets"]` after `bash benchmarks/gpu/prepare.sh` here. Logs go to $OUT.
+set -uo pipefail
+part=${1:?"which part: tests | trainer | sampler | async"}
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+smol=.gpu_assets/smollm2-135m-instruct
+log="$OUT/$part.log"
+case $part in
+tests)
+    nvidia-smi 2>&1 | tee "$log"
+    python3 -m pytest -q -rs tests/test_gpu.py tests/test_trainer.py tests/test_deploy.py 2>&1 | tee -a "$log"
+    ;;
+trainer)
+    for args in "--shape smollm2-135m --batch 64 --seq-len 1024" \
+                "--shape llama-1b --batch 32 --seq-len 2048" \
+                "--shape llama-1b --batch 32 --seq-len 2048 --attn flex_attention --layouts packed"; do
+        python3 benchmarks/trainer_throughput.py $args --max-tokens-per-microbatch 16384 --steps 3 2>&1 | tee -a "$log"
+    done
+    ;;
+sampler)
+    for steps in graphs eager; do
+        python3 benchmarks/sampler_throughput.py --model $smol --random-init --requests 64 256 --max-tokens 256 \
+            --decode-steps $steps $([ $steps = eager ] && echo --no-sync) 2>&1 | tee -a "$log"
+    done
+    ;;
+async)
+    python3 benchmarks/async_vs_sync.py 2>&1 | tee "$log"
+    ;;
+*)
+    echo "unknown part: $part" >&2; exit 2
+    ;;
+esac

@@ -1,0 +1,135 @@
+"""Decode steps with static shapes, captured in CUDA graphs and replayed over a `KVBatch`.
+
+Why: on an H100 an eager decode step of a 135M model is bound by kernel launches (~0.1 s
+for a few hundred launches from Python), whatever the batch size. A captured step launches
+once. A graph fixes every shape and address it touches, so a step here:
+- runs `r` rows, the live rows rounded up to a power of two (rows past the live ones
+  compute a throwaway token), and attends over `c` columns, L + 1 rounded up to a power of
+  two: one graph per (r, c), captured the first time it is needed;
+- reads the batch's own buffers (`KVBatch.stable_buffers`, kept for good, so the graphs
+  stay valid across rows joining and leaving) and three inputs of its own: the tokens, the
+  column to write (a device tensor, not a Python int) and the logits it writes out;
+- writes the new keys/values with `index_copy_` at that column and attends under a
+  prepared 4D mask (transformers passes a 4D mask through as it is, so no mask-building
+  code with host syncs runs inside the capture).
+Columns past L are masked; the spare rows attend to their own new column only, so every
+row's softmax is over at least one column and nothing turns NaN.
+
+Without `capture` (CPUs) the same static step runs eagerly; the tests hold it to
+`KVBatch.decode`. Sampling stays outside the graph: it needs per-request generators.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from training.utils.deploy.decode import KVBatch, _SlotLayer, next_power_of_two
+
+_MIN_COLUMNS = 64
+"""Smallest column bucket: short contexts share one graph."""
+
+
+class _ColumnLayer(DynamicLayer):
+    """One layer of a static step: writes the new keys/values at column `write_col` of the first
+    `rows` slots and returns the first `columns` columns of them."""
+
+    def __init__(self, slot: _SlotLayer, rows: int, columns: int, write_col: torch.Tensor):
+        super().__init__()
+        self.keys_view = slot.keys_buf[:rows, :, :columns]
+        self.values_view = slot.values_buf[:rows, :, :columns]
+        self.write_col = write_col
+        self.dtype, self.device = slot.keys_buf.dtype, slot.keys_buf.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys_view.index_copy_(2, self.write_col, key_states)
+        self.values_view.index_copy_(2, self.write_col, value_states)
+        return self.keys_view, self.values_view
+
+    def get_seq_length(self) -> int:
+        return self.keys_view.shape[2]
+
+
+class DecodeSteps:
+    """Static-shape decode steps for one model and one stable `KVBatch` at a time.
+
+    `step(batch, tokens_B)` is `batch.decode(model, tokens_B)`: it feeds one token per live row,
+    advances the batch and returns next-token logits (B, V). With `capture`, each (rows,
+    columns) shape is captured into a CUDA graph on first use and replayed afterwards; graphs
+    are dropped when the batch's buffers are reallocated (`KVBatch.generation`). `stats` (a dict
+    it updates, e.g. the engine's) counts `graph_captures` and `graph_replays`.
+    """
+
+    def __init__(self, model, max_rows: int, *, capture: bool, stats: dict[str, int] | None = None):
+        self.model = model
+        self.capture = capture
+        device = model.device
+        self.tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.write_col = torch.zeros(1, dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._generation: int | None = None
+        self._pool = None
+        self.stats = stats if stats is not None else {}
+        self.stats.update(graph_captures=0, graph_replays=0)
+
+    def step(self, batch: KVBatch, tokens_B: torch.Tensor) -> torch.Tensor:
+        if not batch.stable_buffers:
+            raise ValueError("DecodeSteps needs a batch with stable buffers (KVBatch.with_stable_buffers)")
+        B, L = batch.rows, batch.length
+        batch.ensure_capacity(L + 1)
+        rows = min(next_power_of_two(B), batch.row_capacity, len(self.tokens))
+        columns = min(max(next_power_of_two(L + 1), _MIN_COLUMNS), batch.column_capacity)
+        # Live rows get their new column; spare rows attend to theirs alone (finite, discarded).
+        batch.mask_buf[:rows, L] = 1
+        self.tokens[:B].copy_(tokens_B)
+        self.write_col.fill_(L)
+        if not self.capture:
+            logits = self._forward(batch, rows, columns)
+        else:
+            if batch.generation != self._generation:
+                self._graphs.clear()  # they point at reallocated buffers
+                self._generation = batch.generation
+            graph = self._graphs.get((rows, columns)) or self._capture(batch, rows, columns)
+            graph.replay()
+            self.stats["graph_replays"] += 1
+            logits = self.logits
+        batch.length = L + 1
+        for layer in batch.layers:
+            layer.length = L + 1
+            layer._refresh_views()
+        batch.next_pos[:B] += 1
+        return logits[:B]
+
+    def _forward(self, batch: KVBatch, rows: int, columns: int) -> torch.Tensor:
+        layers = [_ColumnLayer(layer, rows, columns, self.write_col) for layer in batch.layers]
+        mask = (batch.mask_buf[:rows, :columns] != 0)[:, None, None, :]
+        out = self.model(
+            input_ids=self.tokens[:rows, None],
+            attention_mask=mask,
+            position_ids=batch.next_pos[:rows, None],
+            past_key_values=Cache(layers=layers),
+            cache_position=self.write_col,
+            use_cache=True,
+        )
+        return out.logits[:, -1, :]
+
+    def _capture(self, batch: KVBatch, rows: int, columns: int) -> torch.cuda.CUDAGraph:
+        # Warm-up outside the capture (lazy library initialisation must not be captured). It
+        # writes column L from the real inputs, the same values the replay writes again.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            warm = self._forward(batch, rows, columns)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.logits is None:
+            self.logits = torch.empty(len(self.tokens), warm.shape[-1], dtype=warm.dtype, device=warm.device)
+        graph = torch.cuda.CUDAGraph()
+        # All graphs share one memory pool: they never run at once, and their one output is `self.logits`.
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.logits[:rows].copy_(self._forward(batch, rows, columns))
+        self._pool = graph.pool()
+        self._graphs[(rows, columns)] = graph
+        self.stats["graph_captures"] += 1
+        return graph
