@@ -191,7 +191,8 @@ def main() -> None:
         print("all steps: wall time from the first submission to the last publication, so it includes the")
         print("warm-up (the first batch has nothing to overlap with) and the drain (the last batch waits for")
         print(f"its slowest rows); steady state: steps 2..{args.steps - 1}.")
-        print(f"{'':<16} {'--------------- all steps ---------------':>43} {'------------ steady state -----------':>39}")
+        all_steps, steady = "--------------- all steps ---------------", "------------ steady state -----------"
+        print(f"{'':<16} {all_steps:>43} {steady:>39}")
         print(f"{'variant':<16} {'samples/s':>10} {'vs rl_loop':>11} {'trainer idle':>13} {'offset':>7} "
               f"{'samples/s':>10} {'vs rl_loop':>11} {'trainer idle':>13} {'train s/step':>13}")
         for name, r in results.items():

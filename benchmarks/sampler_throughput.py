@@ -165,7 +165,8 @@ def main() -> None:
     parser.add_argument("--random-init", action="store_true", help="random weights from --model's config.json")
     parser.add_argument("--decode-steps", default="auto", choices=["auto", "eager", "graphs", "static"])
     parser.add_argument(
-        "--generate-on-main-thread", action="store_true", help="time `generate` on the main thread (see on_worker_thread)"
+        "--generate-on-main-thread", action="store_true",
+        help="time `generate` on the main thread (see on_worker_thread)"
     )
     args = parser.parse_args()
 
@@ -177,14 +178,16 @@ def main() -> None:
     vocab = min(len(tokenizer), model.config.vocab_size)
     device_name = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     print(f"model={args.model}{' (random init)' if args.random_init else ''} device={model.device} ({device_name}) "
-          f"dtype={model.dtype} decode_steps={args.decode_steps} threads={torch.get_num_threads()} torch={torch.__version__}")
+          f"dtype={model.dtype} decode_steps={args.decode_steps} threads={torch.get_num_threads()} "
+          f"torch={torch.__version__}")
     report = []
     for i, n in enumerate(args.requests):
         prompts = make_prompts(n, args.prompt_len, vocab, seed=n)
         runs, generate_runs = [], []
         for r in range(args.repeats):  # alternating, so load from other processes hits all alike
             with_sync = not args.no_sync and i == 0 and r == 0
-            runs.append(asyncio.run(bench_engine(model, tokenizer, prompts, args.max_tokens, with_sync, args.decode_steps)))
+            engine_run = bench_engine(model, tokenizer, prompts, args.max_tokens, with_sync, args.decode_steps)
+            runs.append(asyncio.run(engine_run))
             bench = (model, tokenizer, prompts, args.max_tokens)
             if args.generate_on_main_thread:
                 generate_runs.append(bench_generate(*bench))

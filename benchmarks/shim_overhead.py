@@ -101,7 +101,8 @@ async def measure_latency(shim: AgentShim, timed: TimedSampler, direct_kwargs: d
                 direct_s.append(time.perf_counter() - start)
             await shim.finish_session(session.key)
     overhead = [s - i for s, i in zip(shim_s, inner_s)]
-    return {"turns": len(shim_s), "shim_e2e_ms": percentiles_ms(shim_s), "sampler_inside_shim_ms": percentiles_ms(inner_s),
+    return {"turns": len(shim_s), "shim_e2e_ms": percentiles_ms(shim_s),
+            "sampler_inside_shim_ms": percentiles_ms(inner_s),
             "direct_ms": percentiles_ms(direct_s), "overhead_ms": percentiles_ms(overhead)}
 
 
@@ -132,7 +133,8 @@ async def measure_throughput(shim: AgentShim, timed: TimedSampler, direct_kwargs
     return {"sessions": sessions, "turns_per_session": turns,
             "shim_turns_per_s": round(n / shim_wall, 1), "direct_turns_per_s": round(n / direct_wall, 1),
             "shim_vs_direct": round(direct_wall / shim_wall, 3),
-            "shim_cpu_ms_per_turn": round(1000 * shim_cpu / n, 2), "direct_cpu_ms_per_turn": round(1000 * direct_cpu / n, 2)}
+            "shim_cpu_ms_per_turn": round(1000 * shim_cpu / n, 2),
+            "direct_cpu_ms_per_turn": round(1000 * direct_cpu / n, 2)}
 
 
 async def bench(args) -> dict:
@@ -179,7 +181,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     result = asyncio.run(bench(args))
     lat, thr = result["latency"], result["throughput"]
-    print(f"model={result['model']} wire={result['wire']} max_tokens={result['max_tokens']} threads={result['threads']}")
+    print(f"model={result['model']} wire={result['wire']} max_tokens={result['max_tokens']} "
+          f"threads={result['threads']}")
     print(f"latency over {lat['turns']} turns (ms)   p50      p99      mean")
     for name in ("direct_ms", "sampler_inside_shim_ms", "shim_e2e_ms", "overhead_ms"):
         m = lat[name]

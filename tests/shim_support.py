@@ -13,7 +13,8 @@ import contextlib
 import copy
 import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -133,7 +133,8 @@ def _parsed(**overrides) -> ParsedOutput:
         "content": "Reading.",
         "reasoning": "I need the file.",
         "tool_calls": [
-            {"id": "call_" + "a" * 24, "type": "function", "function": {"name": "read", "arguments": '{"path":"a","n":2}'}},
+            {"id": "call_" + "a" * 24, "type": "function",
+             "function": {"name": "read", "arguments": '{"path":"a","n":2}'}},
             {"id": "call_" + "b" * 24, "type": "function", "function": {"name": "list", "arguments": "{}"}},
         ],
         "parser_fallback": False,
@@ -187,7 +188,8 @@ def test_anthropic_request_translates_every_block_kind_in_order():
         messages=[
             {"role": "user", "content": "Look at this\n[image omitted]"},
             {"role": "assistant", "content": "Reading.", "reasoning_content": "Read it first.", "tool_calls": [
-                {"id": "toolu_1", "type": "function", "function": {"name": "read", "arguments": '{"limit":2,"path":"a"}'}},
+                {"id": "toolu_1", "type": "function",
+                 "function": {"name": "read", "arguments": '{"limit":2,"path":"a"}'}},
                 {"id": "toolu_2", "type": "function", "function": {"name": "read", "arguments": "{}"}},
             ]},
             {"role": "tool", "content": "line 1", "tool_call_id": "toolu_1"},
@@ -223,7 +225,8 @@ def test_anthropic_text_between_tool_results_keeps_its_place():
         {"role": "assistant", "content": ""},
     ]
     # count_tokens bodies carry no max_tokens; a string system and no tools are fine
-    assert (request.max_tokens, request.system, request.tools, request.stream, request.model) == (None, None, [], False, "")
+    assert (request.max_tokens, request.system, request.tools, request.stream, request.model) == (
+        None, None, [], False, "")
 
 
 def test_anthropic_server_tools_are_skipped():
@@ -248,16 +251,19 @@ def test_anthropic_server_tools_are_skipped():
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}, "max_tokens", ">= 1"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens", ">= 1"),
         ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream", "boolean"),
-        ({"messages": [{"role": "user", "content": "x"}], "stop_sequences": "END"}, "stop_sequences", "list of strings"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop_sequences": "END"}, "stop_sequences",
+         "list of strings"),
         ({"messages": [{"role": "user", "content": "x"}], "system": 3}, "system", "string or a list"),
         ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "image"}]}, "system[0]", "text block"),
         ({"messages": [{"role": "user", "content": "x"}], "model": 7}, "model", "string"),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [
-                {"name": "a", "input_schema": {}}, {"name": "b", "input_schema": {}}, {"name": "c", "input_schema": "obj"}]},
+                {"name": "a", "input_schema": {}}, {"name": "b", "input_schema": {}},
+                {"name": "c", "input_schema": "obj"}]},
             "tools[2].input_schema", "JSON-schema object",
         ),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"input_schema": {}}]}, "tools[0].name", "non-empty"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"input_schema": {}}]}, "tools[0].name",
+         "non-empty"),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [
                 {"name": "a", "input_schema": {}}, {"name": "a", "input_schema": {}}]},
@@ -333,7 +339,8 @@ def test_openai_request_translates_roles_parts_and_tool_calls():
         messages=[
             {"role": "user", "content": "What is in\n[image_url omitted]"},
             {"role": "assistant", "content": "", "reasoning_content": "Look first.", "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "read", "arguments": '{"limit":2,"path":"a"}'}},
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "read", "arguments": '{"limit":2,"path":"a"}'}},
                 {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "not json"}},
                 {"id": "call_3", "type": "function", "function": {"name": "now", "arguments": "{}"}},
             ]},
@@ -375,7 +382,8 @@ def test_openai_request_without_system_and_max_tokens_fallback():
          "must be a string"),
         ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}]},
          "messages[0].tool_calls[0].id", "non-empty string"),
-        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}]},
+        ({"messages": [{"role": "assistant", "content": "",
+                        "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}]},
          "messages[0].tool_calls[0].function.name", "non-empty string"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search"}]}, "tools[0].type",
          "must be 'function'"),
@@ -385,7 +393,8 @@ def test_openai_request_without_system_and_max_tokens_fallback():
          "duplicate tool name 'read'"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]},
          "tools[0].function.name", "non-empty string"),
-        ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens", ">= 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens",
+         ">= 1"),
         ({"messages": [{"role": "user", "content": "x"}], "stop": ["a", 1]}, "stop", "string or a list of strings"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "must be 1"),
     ],
@@ -401,7 +410,8 @@ def test_openai_request_rejects_invalid_bodies_naming_the_field(body, param, fra
 
 
 def test_plain_chatml_template_gets_tools_calls_and_reasoning_as_text(tokenizer, chat_format):
-    assert (chat_format.native_tools, chat_format.native_tool_calls, chat_format.native_reasoning) == (False, False, False)
+    native = (chat_format.native_tools, chat_format.native_tool_calls, chat_format.native_reasoning)
+    assert native == (False, False, False)
     assert chat_format.end_of_turn_ids == {tokenizer.convert_tokens_to_ids("<|im_end|>")}
     request = _request([
         {"role": "user", "content": "Read a"},
@@ -559,7 +569,8 @@ def _round_trip(chat_format, reply_text: str) -> tuple[list[int], list[int], lis
     tokenizer = chat_format.tokenizer
     request = _request([{"role": "user", "content": "Read a"}])
     prompt_ids = chat_format.render(request)
-    output_ids = tokenizer.encode(reply_text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    output_ids = tokenizer.encode(reply_text, add_special_tokens=False)
+    output_ids += [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     reply = chat_format.parse_output(output_ids, "stop").to_message()
     follow_up = _request([*request.messages, reply, {"role": "user", "content": "next"}])
     return prompt_ids, output_ids, chat_format.render(follow_up)
@@ -580,8 +591,10 @@ def test_fresh_render_matches_the_assembled_chain(tokenizer, chat_format):
     prompt = assembler.prompt_ids(chat_format.template_messages(first))
     output_ids = tokenizer.encode(WELL_FORMED_REPLIES[-1], add_special_tokens=False) + [tokenizer.eos_token_id]
     parsed = chat_format.parse_output(output_ids, "stop")
-    assembler.add_completion(Completion(output_ids, [-0.5] * len(output_ids), "stop", [0] * len(output_ids), "", prompt),
-                             chat_format.template_message(parsed.to_message()))
+    assembler.add_completion(
+        Completion(output_ids, [-0.5] * len(output_ids), "stop", [0] * len(output_ids), "", prompt),
+        chat_format.template_message(parsed.to_message()),
+    )
     tool_result = {"role": "tool", "content": "data", "tool_call_id": parsed.tool_calls[0]["id"]}
     extended = assembler.prompt_ids(assembler.history + [chat_format.template_message(tool_result)])
     second = _request([*first.messages, parsed.to_message(), tool_result])
@@ -592,7 +605,8 @@ def test_fresh_render_matches_the_assembled_chain(tokenizer, chat_format):
 def test_smollm2_template_round_trip():
     chat_format = ChatFormat(load_tokenizer("smollm2-135m-instruct"))
     tokenizer = chat_format.tokenizer
-    assert (chat_format.native_tools, chat_format.native_tool_calls, chat_format.native_reasoning) == (False, False, False)
+    native = (chat_format.native_tools, chat_format.native_tool_calls, chat_format.native_reasoning)
+    assert native == (False, False, False)
     assert chat_format.end_of_turn_ids == {tokenizer.convert_tokens_to_ids("<|im_end|>")}
     request = _request([{"role": "user", "content": "Read a"}])
     prompt_text = tokenizer.decode(chat_format.render(request))
@@ -621,7 +635,8 @@ def test_anthropic_response_blocks_ids_and_usage():
             {"type": "tool_use", "id": "toolu_" + "b" * 24, "name": "list", "input": {}},
         ],
         "stop_reason": "tool_use", "stop_sequence": None,
-        "usage": {"input_tokens": 40, "output_tokens": 12, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+        "usage": {"input_tokens": 40, "output_tokens": 12, "cache_creation_input_tokens": 0,
+                  "cache_read_input_tokens": 0},
     }
     assert list(response["content"][2]["input"]) == ["path", "n"]  # streamed and shown in the model's order
 
@@ -659,8 +674,8 @@ def test_anthropic_sse_event_order_and_payloads():
     )
     assert all(name == data["type"] for name, data in records)
     start = records[0][1]["message"]
-    assert (start["content"], start["stop_reason"], start["usage"]["input_tokens"], start["usage"]["output_tokens"]) == (
-        [], None, 40, 0)
+    usage = start["usage"]
+    assert (start["content"], start["stop_reason"], usage["input_tokens"], usage["output_tokens"]) == ([], None, 40, 0)
     assert [data["delta"] for name, data in records if name == "content_block_delta"] == [
         {"type": "thinking_delta", "thinking": "I need the file."},
         {"type": "text_delta", "text": "Reading."},
@@ -679,7 +694,8 @@ def test_anthropic_assistant_message_is_what_the_request_translator_makes_of_the
     message = anthropic_assistant_message(response)
     assert message == {
         "role": "assistant", "content": "Reading.", "reasoning_content": "I need the file.", "tool_calls": [
-            {"id": "toolu_" + "a" * 24, "type": "function", "function": {"name": "read", "arguments": '{"n":2,"path":"a"}'}},
+            {"id": "toolu_" + "a" * 24, "type": "function",
+             "function": {"name": "read", "arguments": '{"n":2,"path":"a"}'}},
             {"id": "toolu_" + "b" * 24, "type": "function", "function": {"name": "list", "arguments": "{}"}},
         ]}
     echo = {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": response["content"]}]}
@@ -688,7 +704,8 @@ def test_anthropic_assistant_message_is_what_the_request_translator_makes_of_the
 
 @pytest.mark.parametrize(
     "parsed",
-    [_parsed(), _parsed(content="", reasoning=None), ParsedOutput("", "hm", [], False), ParsedOutput("<tool_call>", None, [], True)],
+    [_parsed(), _parsed(content="", reasoning=None), ParsedOutput("", "hm", [], False),
+     ParsedOutput("<tool_call>", None, [], True)],
 )
 def test_parsed_reply_has_the_identity_of_the_client_echo(parsed):
     """`to_message` (arguments in the model's key order, so it re-renders exactly) may stand in for the echo."""
@@ -707,14 +724,16 @@ def test_openai_response_and_echo():
         "id": "chatcmpl-1", "object": "chat.completion", "created": 1700000000, "model": "policy",
         "choices": [{"index": 0, "logprobs": None, "finish_reason": "tool_calls", "message": {
             "role": "assistant", "reasoning_content": "I need the file.", "content": None, "tool_calls": [
-                {"id": "call_" + "a" * 24, "type": "function", "function": {"name": "read", "arguments": '{"path":"a","n":2}'}},
+                {"id": "call_" + "a" * 24, "type": "function",
+                 "function": {"name": "read", "arguments": '{"path":"a","n":2}'}},
                 {"id": "call_" + "b" * 24, "type": "function", "function": {"name": "list", "arguments": "{}"}},
             ]}}],
         "usage": {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52},
     }
     assert openai_assistant_message(response) == {
         "role": "assistant", "content": "", "reasoning_content": "I need the file.", "tool_calls": [
-            {"id": "call_" + "a" * 24, "type": "function", "function": {"name": "read", "arguments": '{"n":2,"path":"a"}'}},
+            {"id": "call_" + "a" * 24, "type": "function",
+             "function": {"name": "read", "arguments": '{"n":2,"path":"a"}'}},
             {"id": "call_" + "b" * 24, "type": "function", "function": {"name": "list", "arguments": "{}"}},
         ]}
     plain = openai_response(ParsedOutput("", None, [], False), completion_id="c", model="p", finish_reason="length",
@@ -734,7 +753,8 @@ def test_openai_sse_chunk_order():
     assert all(d["object"] == "chat.completion.chunk" and d["id"] == "chatcmpl-1" and d["created"] == 5 for d in data)
     assert [d["choices"][0]["delta"] for d in data] == [
         {"role": "assistant", "reasoning_content": "I need the file.", "content": "Reading."},
-        {"tool_calls": [{"index": i, **call} for i, call in enumerate(response["choices"][0]["message"]["tool_calls"])]},
+        {"tool_calls": [{"index": i, **call}
+                        for i, call in enumerate(response["choices"][0]["message"]["tool_calls"])]},
         {},
     ]
     assert [d["choices"][0]["finish_reason"] for d in data] == [None, None, "tool_calls"]
@@ -813,7 +833,8 @@ def test_anthropic_sdk_reads_json_and_echoes_what_the_translator_expects(case):
     async def main():
         async with _serve(json.dumps(response).encode(), "application/json") as (url, seen):
             client = anthropic.AsyncAnthropic(base_url=url, api_key="session-key", max_retries=0, timeout=20)
-            message = await client.messages.create(model="policy", max_tokens=64, messages=[{"role": "user", "content": "go"}])
+            message = await client.messages.create(model="policy", max_tokens=64,
+                                                   messages=[{"role": "user", "content": "go"}])
             _check_anthropic_message(message, response)
             # a client continues the conversation with the SDK's own objects
             await client.messages.create(model="policy", max_tokens=64, messages=[
@@ -855,8 +876,8 @@ def test_anthropic_sdk_accumulates_the_stream(case):
 
 
 def _openai_fixture_response(case: int) -> dict:
-    return openai_response(SDK_REPLIES[case], completion_id="chatcmpl-1", model="policy", finish_reason=SDK_FINISH[case],
-                           prompt_tokens=40, output_tokens=12, created=1700000000)
+    return openai_response(SDK_REPLIES[case], completion_id="chatcmpl-1", model="policy",
+                           finish_reason=SDK_FINISH[case], prompt_tokens=40, output_tokens=12, created=1700000000)
 
 
 def _check_openai_completion(completion, response: dict) -> None:
@@ -868,7 +889,8 @@ def _check_openai_completion(completion, response: dict) -> None:
     assert calls == [(c["id"], c["type"], c["function"]["name"], c["function"]["arguments"])
                      for c in expected["message"].get("tool_calls", [])]
     assert (choice.message.model_extra or {}).get("reasoning_content") == expected["message"].get("reasoning_content")
-    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (40, 12, 52)
+    usage = completion.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (40, 12, 52)
 
 
 @pytest.mark.parametrize("case", range(len(SDK_REPLIES)))
@@ -880,7 +902,8 @@ def test_openai_sdk_reads_json_and_echoes_what_the_translator_expects(case):
     async def main():
         async with _serve(json.dumps(response).encode(), "application/json") as (url, seen):
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="session-key", max_retries=0, timeout=20)
-            completion = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "go"}])
+            completion = await client.chat.completions.create(model="policy",
+                                                              messages=[{"role": "user", "content": "go"}])
             _check_openai_completion(completion, response)
             message = completion.choices[0].message
             await client.chat.completions.create(model="policy", messages=[

@@ -6,12 +6,11 @@ import math
 import pytest
 from safetensors.torch import load_file
 
+from test_async_rl_loop import COMMON, ROWS
 from training.recipes import async_rl_loop
 from training.utils.errors import CircuitBreakerError, RecoverableRolloutError, RolloutContractError
 from training.utils.logging import read_ledger
 from training.utils.rl.rollout.types import RolloutSample, sample_from_completion
-
-from test_async_rl_loop import COMMON, ROWS
 
 
 def cfg(tmp_path, **overrides):
@@ -83,7 +82,8 @@ def test_malformed_sample_stops_the_run_naming_row_draw_and_field(tmp_path):
 
         return rollout_fn
 
-    with pytest.raises(RolloutContractError, match=r"row 'r5' draw 2 segment 0: tokens has 3 entries but logprobs has 2"):
+    with pytest.raises(RolloutContractError,
+                       match=r"row 'r5' draw 2 segment 0: tokens has 3 entries but logprobs has 2"):
         async_rl_loop.main(cfg(tmp_path, max_steps=4), rollout_fn_factory=make_rollout_fn, rows=ROWS)
     trained = [r for r in read_ledger(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
     assert all("r5" not in r["batch/row_ids"] for r in trained)

@@ -65,7 +65,8 @@ def build(settled):
     return (groups[0], "accepted") if groups else (None, "dropped")
 
 
-def make(G=2, P=2, O=0, C=None, K=1, retries=0, min_group_size=2, total_rows=None, staleness=None,
+# G, P, O, C, K are the symbols of DESIGN.md §4.2, hence the single-letter names.
+def make(G=2, P=2, O=0, C=None, K=1, retries=0, min_group_size=2, total_rows=None, staleness=None,  # noqa: E741
          synchronous=False, stall_timeout_s=30.0, max_call_wait_s=30.0, rows=ROWS, max_batches=None):
     script = ScriptedDraws()
     gate = OffPolicyGate(group_size=G, groups_per_batch=P, max_offpolicy_versions=O, max_concurrency=C,

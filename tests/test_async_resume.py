@@ -15,7 +15,6 @@ import subprocess
 import sys
 from collections import Counter
 
-
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(8)]
 EPOCHS = 2
 

@@ -56,7 +56,8 @@ def run_rl_loop(tmp_path, **overrides):
 
 def run_async(tmp_path, name, **overrides):
     calls = []
-    cfg = async_rl_loop.Config(**(COMMON | overrides), log_path=str(tmp_path / name), output_dir=str(tmp_path / f"{name}_out"))
+    cfg = async_rl_loop.Config(**(COMMON | overrides), log_path=str(tmp_path / name),
+                               output_dir=str(tmp_path / f"{name}_out"))
     summary = async_rl_loop.main(cfg, rollout_fn_factory=deterministic_factory(calls), rows=ROWS)
     return summary, calls
 

@@ -378,7 +378,7 @@ def test_make_rollout_fn_needs_the_shim():
 # ---------------------------------------------------------------------------- the recipe
 
 
-def test_async_recipe_trains_on_the_agents_runs_and_reports_shim_stats(tmp_path):
+def test_async_recipe_trains_on_the_agents_runs_and_sums_shim_counters_per_step(tmp_path):
     model_dir = tmp_path / "tiny"
     config = tiny_config(260)
     config.max_position_embeddings = 4096
@@ -398,18 +398,25 @@ def test_async_recipe_trains_on_the_agents_runs_and_reports_shim_stats(tmp_path)
         log_path=str(run_dir),
         progress=False,
     )
-    runs_log = run_dir / shim_stats.RUNS_LOG_NAME
+    runs_log = run_dir / "agent_runs.jsonl"
     rows = make_data.make_rows(4, seed=0, split="train")
     summary = async_rl_loop.main(cfg, rollout_fn_factory=make_rollout_fn, rows=rows,
                                  rollout_extras={"runs_log": str(runs_log)})
     assert summary["steps"] == 2
-    table = shim_stats.run_dir_stats(run_dir)
-    assert [row["step"] for row in table] == [1, 2]
+    draws = [json.loads(line) for line in runs_log.read_text().splitlines()]
     ledger = [r for r in read_ledger(summary["ledger"]) if "batch/row_ids" in r]
-    for row, record in zip(table, ledger, strict=True):
+    assert [r["step"] for r in ledger] == [1, 2]
+    for record in ledger:
+        runs = [d for d in draws if d["row_id"] in record["batch/row_ids"] and d["outcome"] == "run"]
         # Random bytes: one model call per agent, one segment per run, nothing to grade.
-        assert (row["draws"], row["dropped"], row["turns"], row["multi_turn"], row["segments"]) == (2, 0, 2, 0, 2)
-        assert row["reward"] == 0.0 and row["wipes"] == row["branches"] == row["parser_fallbacks"] == 0
+        assert len(runs) == 2
+        assert all((d["shim/turns"], d["num_segments"], d["reward"]) == (1, 1, 0.0) for d in runs)
+        # The step's metrics sum exactly the counters its runs carried.
+        assert record["rollout/shim/turns"] == sum(d["shim/turns"] for d in runs) == 2.0
+        assert record["rollout/shim/new"] == 2.0
+        assert record["rollout/shim/wipes"] == record["rollout/shim/parser_fallbacks"] == 0.0
         # The shim's trained tokens are what the recipe trained on.
-        assert row["trained_tokens"] == 2 * record["rollout/response_len_mean"]
+        assert sum(d["trainable_tokens"] for d in runs) == 2 * record["rollout/response_len_mean"]
+    table = shim_stats.run_dir_stats(run_dir)
+    assert [(row["step"], row["rollout/shim/turns"]) for row in table] == [(1, 2.0), (2, 2.0)]
     assert shim_stats.markdown_table(table).splitlines()[2].startswith("| 1 | ")

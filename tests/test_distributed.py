@@ -368,7 +368,7 @@ def test_async_rl_loop_resumes_from_one_process_to_two_and_back(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario, error", [
     ("rl_loop_fail", "rollout bug at call 12"),  # rank 0, outside any trainer call: the others wait for the next one
-    ("rl_loop_rank1_fail", "optimizer failure on rank 1 at step 2"),  # rank 1 alone, mid-call: rank 0 is in a collective
+    ("rl_loop_rank1_fail", "optimizer failure on rank 1 at step 2"),  # rank 1 alone, mid-call: rank 0 in a collective
 ])
 def test_a_failure_on_one_rank_stops_every_rank_with_its_error(tmp_path, scenario, error):
     # Well inside the 1800 s collective timeout: torchrun stops the job when one rank exits with an error.

@@ -351,7 +351,8 @@ class FakeServer:
         return self._wait_for_peer(body, {"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def _sglang_from_distributed(self, body, query):
-        status, payload = await self._wait_for_peer(body, {"success": True, "message": "Succeeded to update model weights."})
+        status, payload = await self._wait_for_peer(
+            body, {"success": True, "message": "Succeeded to update model weights."})
         if status == 200:
             self.weight_version = body.get("weight_version") or self.weight_version
         return status, payload

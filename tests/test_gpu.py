@@ -32,7 +32,8 @@ def tiny_on_cuda(dtype=torch.float32):
 
 def random_prompts(count: int, seed: int) -> tuple[list[list[int]], list[int]]:
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(4, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(1, 80, (count,), generator=g)]
+    lengths = torch.randint(1, 80, (count,), generator=g)
+    prompts = [torch.randint(4, VOCAB, (int(n),), generator=g).tolist() for n in lengths]
     return prompts, [int(n) for n in torch.randint(1, 90, (count,), generator=g)]
 
 

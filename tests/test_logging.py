@@ -26,7 +26,8 @@ def test_new_run_keeps_the_old_ledger_aside(tmp_path):
     second.log(1, {"rollout/raw_reward": 0.9})
     second.close()
     assert [r["rollout/raw_reward"] for r in read_ledger(tmp_path / "metrics.jsonl")] == [0.9]
-    assert [json.loads(line)["rollout/raw_reward"] for line in (tmp_path / "metrics.1.jsonl").read_text().splitlines()] == [0.1]
+    earlier = (tmp_path / "metrics.1.jsonl").read_text().splitlines()
+    assert [json.loads(line)["rollout/raw_reward"] for line in earlier] == [0.1]
 
 
 def test_progress_line():

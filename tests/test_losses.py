@@ -240,7 +240,7 @@ def test_tis_token_level_weights_and_cap():
     loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
                                   rollout_logprobs=mu, tis=TISConfig(cap=2.0))
     w = [0.5, 1.5, 2.0]
-    assert loss.item() == approx((-(-1.0) * w[0] - (-2.0) * w[1] - (-3.0) * w[2]) / 3)
+    assert loss.item() == approx(-((-1.0) * w[0] + (-2.0) * w[1] + (-3.0) * w[2]) / 3)
     assert m["tis_weight_mean"].item() == approx(sum(w) / 3)
     assert m["tis_clipfrac"].item() == approx(1 / 3)
     assert m["icepop_maskfrac"].item() == 0.0

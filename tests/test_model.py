@@ -51,7 +51,8 @@ def test_local_directory_round_trip(tmp_path):
 
 
 def test_unknown_name_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelLoadError, match="neither a known alias .* nor a local directory; this library never downloads"):
+    with pytest.raises(ModelLoadError,
+                       match="neither a known alias .* nor a local directory; this library never downloads"):
         load_model_and_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
     with pytest.raises(ModelLoadError, match="has no config.json"):
         load_tokenizer(str(tmp_path))
@@ -73,5 +74,6 @@ def test_smollm2_alias_loads_offline():
     n_params = sum(p.numel() for p in model.parameters())
     assert 130e6 < n_params < 140e6
     assert tokenizer.chat_template
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                           tokenize=False)
     assert prompt.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in prompt

@@ -232,7 +232,7 @@ def test_train_py_config_runs_two_steps_of_the_async_recipe_on_a_tiny_model(tmp_
     rows = make_data.make_rows(4, seed=0, split="train")
     evaluation_fn = rollout_evaluation(make_rollout_fn, make_data.make_rows(2, seed=0, split="eval"))
     summary = async_rl_loop.main(cfg, rollout_fn_factory=make_rollout_fn, rows=rows, evaluation_fn=evaluation_fn,
-                                 evaluation_interval=0, rollout_extras=rollout_extras)
+                                 rollout_extras=rollout_extras)
     assert summary["steps"] == 2 and summary["version"] == 2
     assert "train/loss" in summary["metrics"]
     assert summary["metrics"]["eval/reward"] == 0.0 and summary["metrics"]["eval/dropped"] == 0.0

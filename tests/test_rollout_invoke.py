@@ -103,7 +103,8 @@ def test_bugs_and_contract_violations_propagate():
 
     with pytest.raises(KeyError, match="missing"):
         draw(bug)
-    with pytest.raises(RolloutContractError, match="row 'q1' draw 0 segment 0: tokens has 2 entries but logprobs has 1"):
+    with pytest.raises(RolloutContractError,
+                       match="row 'q1' draw 0 segment 0: tokens has 2 entries but logprobs has 1"):
         draw(malformed)
 
 

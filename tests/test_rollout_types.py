@@ -80,7 +80,8 @@ def test_first_token_cannot_be_trained():
 
 
 def test_mask_values_must_be_binary():
-    check(good_sample(loss_mask=[0, 0, 2, 1, 1]), "row 'q17' draw 3 segment 0: loss_mask[2] is 2; entries must be 0 or 1")
+    check(good_sample(loss_mask=[0, 0, 2, 1, 1]),
+          "row 'q17' draw 3 segment 0: loss_mask[2] is 2; entries must be 0 or 1")
 
 
 def test_nonfinite_logprob_on_trained_token():
@@ -110,8 +111,10 @@ def test_token_outside_vocabulary():
         good_sample(tokens=[5, 6, 100, 8, 9]),
         "row 'q17' draw 3 segment 0: tokens[2] is 100, outside the vocabulary [0, 100)",
     )
-    check(good_sample(tokens=[5, -1, 7, 8, 9]), "row 'q17' draw 3 segment 0: tokens[1] is -1, outside the vocabulary [0, 100)")
-    check(good_sample(tokens=[5, 6, 7.0, 8, 9]), "row 'q17' draw 3 segment 0: tokens[2] is 7.0, expected an int token id")
+    check(good_sample(tokens=[5, -1, 7, 8, 9]),
+          "row 'q17' draw 3 segment 0: tokens[1] is -1, outside the vocabulary [0, 100)")
+    check(good_sample(tokens=[5, 6, 7.0, 8, 9]),
+          "row 'q17' draw 3 segment 0: tokens[2] is 7.0, expected an int token id")
 
 
 def test_reward_must_be_finite_number():
@@ -121,7 +124,8 @@ def test_reward_must_be_finite_number():
 
 def test_segments_share_one_reward():
     run = RolloutRun(segments=[good_sample(), good_sample(reward=0.5)])
-    check(run, "row 'q17' draw 3 segment 1: reward is 0.5 but segment 0 has 1.0; every segment of a run shares one reward")
+    check(run,
+          "row 'q17' draw 3 segment 1: reward is 0.5 but segment 0 has 1.0; every segment of a run shares one reward")
 
 
 def test_second_segment_violation_names_its_index():
@@ -135,7 +139,8 @@ def test_wrong_return_type_and_empty_run():
 
 
 def test_sample_from_completion_masks_prompt_and_trains_outputs():
-    sample = sample_from_completion([1, 2, 3], [4, 5], [-0.1, -0.2], 0.5, finish_reason="length", output_versions=[7, 8])
+    sample = sample_from_completion([1, 2, 3], [4, 5], [-0.1, -0.2], 0.5, finish_reason="length",
+                                    output_versions=[7, 8])
     assert sample.tokens == [1, 2, 3, 4, 5]
     assert sample.loss_mask == [0, 0, 0, 1, 1]
     assert sample.logprobs == [0.0, 0.0, 0.0, -0.1, -0.2]

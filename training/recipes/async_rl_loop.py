@@ -36,9 +36,10 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -135,7 +136,6 @@ def main(
     rows: list[dict[str, Any]] | None = None,
     dynamic_filter_fn: Callable[[PromptGroup], bool] | None = None,
     evaluation_fn: Callable | None = None,
-    evaluation_interval: int = 1,
     rollout_extras: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train, resuming from the newest checkpoint if there is one; returns a summary of the run."""
@@ -144,7 +144,7 @@ def main(
     with distributed.distributed_session(cfg.trainer.distributed_timeout_s):  # a no-op without torchrun
         return asyncio.run(
             run(cfg, rollout_fn_factory, rows, dynamic_filter_fn=dynamic_filter_fn, evaluation_fn=evaluation_fn,
-                evaluation_interval=evaluation_interval, rollout_extras=rollout_extras)
+                rollout_extras=rollout_extras)
         )
 
 
@@ -155,7 +155,6 @@ async def run(
     *,
     dynamic_filter_fn=None,
     evaluation_fn=None,
-    evaluation_interval: int = 1,
     rollout_extras=None,
 ) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
@@ -217,7 +216,7 @@ async def run(
                                     step_time=now - t_published, train_time=train_time, sync_time=sync_time)
             t_published = now
             samples_trained += int(metrics["batch/samples"])
-            if evaluation_interval and step % evaluation_interval == 0:
+            if cfg.eval_interval and step % cfg.eval_interval == 0:
                 metrics |= await evaluate(evaluation_fn, setup, step, None, cfg)
                 evaluated_step = step
             logger.log(step, metrics)

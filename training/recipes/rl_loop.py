@@ -26,8 +26,9 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,10 +53,8 @@ log = logging.getLogger("training.rl_loop")
 
 
 class Config(RLConfig):
-    """The synchronous recipe has the shared fields only, plus evaluation and a stop for empty batches."""
+    """The synchronous recipe has the shared fields only, plus a stop for empty batches."""
 
-    eval_interval: int = Field(0, ge=0)
-    """Call `evaluation_fn` every this many steps; it always runs before the first and after the last step."""
     max_consecutive_empty_batches: int = Field(3, ge=1)
     """Stop with an error after this many batches in a row produce no trainable group (rollouts keep failing)."""
 
@@ -172,7 +171,9 @@ async def sample_batch(
     )
 
 
-async def sample_row(item: RowItem, rollout_fn, context_keys, cfg: RLConfig, *, vocab_size: int, version: int) -> SettledRow:
+async def sample_row(
+    item: RowItem, rollout_fn, context_keys, cfg: RLConfig, *, vocab_size: int, version: int
+) -> SettledRow:
     """G draws of one row; re-run all G while too few survive, up to the retry budget."""
     drops: Counter = Counter()
     min_runs = cfg.effective_min_group_size()
@@ -194,7 +195,9 @@ async def sample_row(item: RowItem, rollout_fn, context_keys, cfg: RLConfig, *, 
     return SettledRow(item.row_id, item.row, [], drops, attempt, rejected=True, submit_version=version)
 
 
-def train_on_groups(policy: Trainer, reference: Trainer | None, groups: list[PromptGroup], cfg: RLConfig, rng) -> dict[str, float]:
+def train_on_groups(
+    policy: Trainer, reference: Trainer | None, groups: list[PromptGroup], cfg: RLConfig, rng
+) -> dict[str, float]:
     """Phases 2–3 on the trainer thread."""
     datums_D = [d for g in groups for d in g.datums]
     extras, gap_metrics = anchor_and_reference(policy, reference, datums_D, cfg)

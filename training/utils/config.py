@@ -39,9 +39,10 @@ class TrainerConfig(StrictModel):
     Activation memory grows with it (~2 GB per 1k tokens for a 135M model in float32 on CPU); raise it on GPUs."""
     pack_sequences: bool = False
     """Concatenate each micro-batch's datums into one row, position ids restarting at every datum, instead of
-    right-padding them to the longest: no padding is computed, and the budget counts real tokens. The attention
-    kernel must keep the datums apart: flash/flex attention do so at the cost of each datum alone; the default
-    `sdpa` builds a block-diagonal mask and pays for the whole row's length squared, so leave packing off on CPUs."""
+    right-padding them to the longest: no padding is computed, and the budget counts real tokens. Flash/flex
+    attention keep the datums apart at the cost of each datum alone; the default `sdpa` builds a block-diagonal
+    mask and computes the whole row's length squared, which still paid off on a CPU for lengths spread over
+    64-256 tokens (1.6x, benchmarks/RESULTS.md) but costs more as rows grow past a few thousand tokens."""
     precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
     """Trainer numerics. `fp32`: float32 everywhere. `bf16-autocast`: float32 weights, gradients and AdamW state,
     matmuls in bfloat16 under autocast. `bf16`: bfloat16 weights and AdamW state (half the memory, but an update
@@ -105,7 +106,8 @@ class DeploymentConfig(StrictModel):
     port: int = Field(0, ge=0, le=65535)
     """Port of the embedded server; 0 picks a free one."""
     api_key: str | None = None
-    """Bearer token the embedded server requires (mandatory when binding beyond loopback); sent to an external server."""
+    """Bearer token the embedded server requires (mandatory when binding beyond loopback);
+    sent to an external server."""
     weight_sync: Literal["in_process", "disk", "nccl", "none"] = "in_process"
     """`in_process` (embedded only): copy tensors into the engine's model; `disk`: write safetensors to `weight_dir`
     and have the server load them (the default for vllm/sglang); `nccl` (vllm/sglang, GPUs on both ends): broadcast
@@ -296,6 +298,9 @@ class RLConfig(StrictModel):
     """The agent shim black-box agents call as their model endpoint; off unless `agent_shim.enabled`."""
 
     # -- observability ------------------------------------------------------------------------
+    eval_interval: int = Field(0, ge=0)
+    """Call `main()`'s `evaluation_fn` every this many steps; it always runs before the first and after
+    the last step, so 0 evaluates only then."""
     wandb_project: str | None = None
     """W&B project; online when an API key is configured, offline files in the run directory otherwise."""
     progress: bool = True
@@ -304,7 +309,9 @@ class RLConfig(StrictModel):
     @model_validator(mode="after")
     def _check_combinations(self) -> RLConfig:
         if self.sampling.temperature == 0:
-            raise ValueError("sampling.temperature=0 (greedy) cannot train: policy gradients need a sampled distribution")
+            raise ValueError(
+                "sampling.temperature=0 (greedy) cannot train: policy gradients need a sampled distribution"
+            )
         if self.dual_clip_c is not None and self.policy_loss not in ("grpo", "dapo", "gspo"):
             raise ValueError(f"dual_clip_c applies to grpo, dapo and gspo, not policy_loss={self.policy_loss!r}")
         g = self.completions_per_prompt

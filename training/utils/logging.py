@@ -66,7 +66,9 @@ class RunLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": round(time.monotonic() - self._start, 3)}
-        record.update({k: (float(v) if _finite(v) else None if isinstance(v, float) else v) for k, v in metrics.items()})
+        record.update(
+            {k: (float(v) if _finite(v) else None if isinstance(v, float) else v) for k, v in metrics.items()}
+        )
         self._ledger.write(json.dumps(record) + "\n")
         if self.progress:
             print(progress_line(step, self.total_steps, metrics), file=sys.stderr, flush=True)

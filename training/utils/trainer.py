@@ -27,9 +27,9 @@ import contextlib
 import logging
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -405,7 +405,9 @@ class Trainer:
         mine = plans[distributed.rank()]
         return mine + [None] * (max(map(len, plans)) - len(mine))
 
-    def _model_forward(self, batch: _PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    def _model_forward(
+        self, batch: _PaddedBatch, temperature: float, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
         """`_forward`, through the FSDP2 root when sharded so that its hooks run around it."""
         if self._sharded_root is None:
             return self._forward(batch, temperature, with_entropy)

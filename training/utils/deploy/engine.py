@@ -619,7 +619,9 @@ def _decode_steps(model, cfg: DeploymentConfig, stats: dict[str, int]) -> Decode
     if mode == "eager":
         return None
     if mode == "graphs" and model.device.type != "cuda":
-        raise ConfigError(f"deployment.decode_steps='graphs' needs a CUDA device; the engine model is on {model.device}")
+        raise ConfigError(
+            f"deployment.decode_steps='graphs' needs a CUDA device; the engine model is on {model.device}"
+        )
     return DecodeSteps(model, cfg.max_batch_requests, capture=mode == "graphs", stats=stats)
 
 

@@ -582,7 +582,8 @@ async def _wait_until_healthy(kind: str, base_url: str, api_key: str | None, tim
     async with aiohttp.ClientSession(headers=headers) as session:
         while True:
             try:
-                async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(1.0, min(10.0, timeout_s)))) as resp:
+                probe_timeout = aiohttp.ClientTimeout(total=max(1.0, min(10.0, timeout_s)))
+                async with session.get(url, timeout=probe_timeout) as resp:
                     if resp.status == 200:
                         return
                     last = f"HTTP {resp.status}: {(await resp.text())[:200]}"

@@ -122,7 +122,9 @@ class EmbeddedProtocol(Protocol):
             logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
             versions = [int(v) for v in choice.get("token_versions") or [-1] * len(ids)]
             if not len(ids) == len(logprobs) == len(versions):
-                raise ValueError(f"{len(ids)} token_ids, {len(logprobs)} token_logprobs, {len(versions)} token_versions")
+                raise ValueError(
+                    f"{len(ids)} token_ids, {len(logprobs)} token_logprobs, {len(versions)} token_versions"
+                )
             out.append(
                 Completion(
                     output_ids=ids,
@@ -130,7 +132,9 @@ class EmbeddedProtocol(Protocol):
                     finish_reason=choice["finish_reason"],
                     versions=versions,
                     text=choice.get("text", ""),
-                    prompt_ids=[int(t) for t in choice.get("prompt_token_ids") or data.get("prompt_token_ids") or prompt_ids],
+                    prompt_ids=[
+                        int(t) for t in choice.get("prompt_token_ids") or data.get("prompt_token_ids") or prompt_ids
+                    ],
                 )
             )
         return out

@@ -57,7 +57,8 @@ class RowCursor:
                 order = self._order(self.epoch)
             row_index = int(order[self.position])
             cursor_index = self.epoch * len(self.rows) + self.position
-            items.append(RowItem(self.rows[row_index], row_id_of(self.rows[row_index], row_index), row_index, cursor_index, self.epoch))
+            row = self.rows[row_index]
+            items.append(RowItem(row, row_id_of(row, row_index), row_index, cursor_index, self.epoch))
             self.position += 1
         return items
 

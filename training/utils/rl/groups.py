@@ -8,8 +8,9 @@ across it), then `dynamic_filter_fn` may reject accepted groups.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,7 @@ def build_groups(
 
 
 def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], counts: Counter) -> dict[str, float]:
-    """`rollout/*` metrics of one batch (DESIGN.md §5 names)."""
+    """`rollout/*` metrics of one batch (DESIGN.md §5 names), with the agent shim's counters."""
     runs = [run for s in settled_P for run in s.runs_G]
     metrics: dict[str, float] = {}
     if runs:
@@ -79,4 +80,17 @@ def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], coun
     metrics["rollout/groups_accepted"] = float(counts["accepted"])
     metrics["rollout/groups_rejected"] = float(sum(v for k, v in counts.items() if k != "accepted"))
     metrics["rollout/retries"] = float(sum(s.attempts - 1 for s in settled_P))
-    return metrics
+    return metrics | shim_metrics(runs)
+
+
+def shim_metrics(runs: list[RolloutRun]) -> dict[str, float]:
+    """`rollout/shim/<name>`: each numeric `shim/<name>` in the runs' metadata (the agent shim's per-session
+    counters: turns, wipes, parser fallbacks, ...), summed over the batch's runs, trained or not. A draw
+    that dropped returned no run, so its session is not counted; lists and strings (`shim/turn_kinds`,
+    `shim/first_error`) stay in the run's metadata."""
+    totals: Counter = Counter()
+    for run in runs:
+        for key, value in (run.metadata or {}).items():
+            if key.startswith("shim/") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                totals[f"rollout/{key}"] += value
+    return {name: float(total) for name, total in totals.items()}

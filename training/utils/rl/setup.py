@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment, EmbeddedDeployment

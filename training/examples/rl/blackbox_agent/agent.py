@@ -1,6 +1,7 @@
 """A small tool-using agent that knows nothing about RL: it talks to "Claude" through the official SDK.
 
-    ANTHROPIC_BASE_URL=... ANTHROPIC_API_KEY=... python agent.py --workdir DIR "Compute 12 * 34 and write it to answer.txt"
+    ANTHROPIC_BASE_URL=... ANTHROPIC_API_KEY=... \
+        python agent.py --workdir DIR "Compute 12 * 34 and write it to answer.txt"
     echo "task text" | python agent.py --workdir DIR
 
 The client is `anthropic.Anthropic()`, which reads `ANTHROPIC_BASE_URL` and `ANTHROPIC_API_KEY`
@@ -36,7 +37,8 @@ SYSTEM_PROMPT = (
 TOOLS = [
     {
         "name": "calculator",
-        "description": "Evaluate an arithmetic expression (numbers, + - * / // % **, parentheses) and return the result.",
+        "description": "Evaluate an arithmetic expression (numbers, + - * / // % **, parentheses) "
+                       "and return the result.",
         "input_schema": {
             "type": "object",
             "properties": {"expression": {"type": "string", "description": "e.g. (12 + 7) * 3"}},

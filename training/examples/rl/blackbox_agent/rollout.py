@@ -16,7 +16,8 @@ the agent's stderr tail in the message. Errors of the shim itself propagate.
 
 `rollout_extras`: `max_turns` (model calls per agent run, default 3), `agent_timeout_s`
 (default 240), `stream` (the agent streams its replies, default False), `runs_log` (a JSONL
-path; one line per draw with the shim's counters, see `shim_stats.py`; None writes nothing).
+path; one line per draw: the shim's counters, the agent's own counts of model and tool calls, the
+start of the model's last reply; None writes nothing).
 """
 
 from __future__ import annotations
@@ -117,7 +118,9 @@ def _kill(proc: asyncio.subprocess.Process) -> None:
 
 def make_rollout_fn(setup: RolloutSetup):
     if setup.shim is None:
-        raise ConfigError("the blackbox_agent example needs the agent shim: set agent_shim=AgentShimConfig(enabled=True)")
+        raise ConfigError(
+            "the blackbox_agent example needs the agent shim: set agent_shim=AgentShimConfig(enabled=True)"
+        )
     max_turns = int(setup.extras.get("max_turns", 3))
     timeout_s = float(setup.extras.get("agent_timeout_s", 240.0))
     stream = bool(setup.extras.get("stream", False))

@@ -2,19 +2,15 @@
 
     python training/examples/rl/blackbox_agent/train.py
 
-Runs the async recipe with the shim on; prints the per-step shim statistics at the end
-(`shim_stats.py`; README: what the default run measured).
+Runs the async recipe with the shim on; prints the per-step shim statistics of the ledger at the
+end (`shim_stats.py`; README: what the default run measured).
 """
 
 from pathlib import Path
 
 from training.examples.rl.blackbox_agent.make_data import load_split
 from training.examples.rl.blackbox_agent.rollout import make_rollout_fn
-from training.examples.rl.blackbox_agent.shim_stats import (
-    RUNS_LOG_NAME,
-    markdown_table,
-    run_dir_stats,
-)
+from training.examples.rl.blackbox_agent.shim_stats import markdown_table, run_dir_stats
 from training.recipes.async_rl_loop import Config, main
 from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
 
@@ -30,11 +26,11 @@ cfg = Config(
     agent_shim=AgentShimConfig(enabled=True),
     log_path="runs/blackbox_agent",
 )
-runs_log = Path(cfg.log_path) / RUNS_LOG_NAME
+runs_log = Path(cfg.log_path) / "agent_runs.jsonl"
 rollout_extras = {"max_turns": 3, "agent_timeout_s": 240, "runs_log": str(runs_log)}
 
 if __name__ == "__main__":
-    runs_log.unlink(missing_ok=True)  # this run's draws only (the metrics ledger marks runs by its steps)
+    runs_log.unlink(missing_ok=True)  # the rollout appends to it; keep this run's draws only
     summary = main(cfg, rollout_fn_factory=make_rollout_fn, rows=load_split("train"), rollout_extras=rollout_extras)
     print(markdown_table(run_dir_stats(cfg.log_path)))
     print({k: summary[k] for k in ("steps", "ledger")})

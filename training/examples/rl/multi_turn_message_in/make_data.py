@@ -20,7 +20,8 @@ INSTRUCTION = "Put the final answer within \\boxed{}."
 # Two solved problems as earlier chat turns: without them SmolLM2-135M-Instruct rarely boxes an
 # answer and rambles past any small max_tokens; with them most replies are short and boxed.
 WORKED_EXAMPLES = [
-    {"role": "user", "content": f"Tom has 4 pens. Tom finds 3 more pens. How many pens does Tom have now?\n{INSTRUCTION}"},
+    {"role": "user", "content": "Tom has 4 pens. Tom finds 3 more pens. "
+                                f"How many pens does Tom have now?\n{INSTRUCTION}"},
     {"role": "assistant", "content": "Tom has 4 + 3 = 7 pens.\n\\boxed{7}"},
     {"role": "user", "content": "Mia buys 3 bags with 2 cards in each bag, and then finds 4 more cards. "
                                 f"How many cards does Mia have now?\n{INSTRUCTION}"},

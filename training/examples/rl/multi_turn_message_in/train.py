@@ -32,7 +32,6 @@ if __name__ == "__main__":
         rollout_fn_factory=make_rollout_fn,
         rows=load_split("train"),
         evaluation_fn=rollout_evaluation(make_rollout_fn, load_split("eval")[:32], samples_per_row=2),
-        evaluation_interval=0,
         rollout_extras=rollout_extras,
     )
     print(json.dumps({k: summary[k] for k in ("steps", "ledger", "plots")}, indent=1))

@@ -39,6 +39,5 @@ if __name__ == "__main__":
         rollout_fn_factory=make_rollout_fn,
         rows=read_rows("train.jsonl"),
         evaluation_fn=rollout_evaluation(make_rollout_fn, read_rows("eval.jsonl"), samples_per_row=2),
-        evaluation_interval=0,
     )
     print(json.dumps({k: summary[k] for k in ("steps", "ledger", "plots")}, indent=1))

@@ -272,7 +272,10 @@ def _parse_tool_call(inner: str) -> dict | None:
         "id": new_tool_call_id(),
         "type": "function",
         # The model's key order is kept (not canonical_json) so the call re-renders as it was written.
-        "function": {"name": obj["name"], "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))},
+        "function": {
+            "name": obj["name"],
+            "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":")),
+        },
     }
 
 
@@ -382,7 +385,9 @@ class ChatFormat:
         text = self.render_text(self.template_messages(request), tools=self.tools_for_template(request))
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def render_text(self, messages: list[dict], *, tools: list[dict] | None = None, generation_prompt: bool = True) -> str:
+    def render_text(
+        self, messages: list[dict], *, tools: list[dict] | None = None, generation_prompt: bool = True
+    ) -> str:
         """Apply the chat template to template-form messages; a template that refuses them is a 400."""
         try:
             return self._apply(messages, tools=tools, generation_prompt=generation_prompt)
@@ -423,7 +428,8 @@ class ChatFormat:
             return ""
 
     def _renders_tools(self) -> bool:
-        tool = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "", "parameters": {"type": "object"}}}
+        tool = {"type": "function",
+                "function": {"name": _PROBE_TOOL, "description": "", "parameters": {"type": "object"}}}
         return _PROBE_TOOL in self._probe([{"role": "user", "content": "hi"}], tools=[tool])
 
     def _renders_tool_calls(self) -> bool:
@@ -461,4 +467,5 @@ def _template_tool_call(call: dict) -> dict:
         arguments = json.loads(function["arguments"])
     except ValueError:
         arguments = function["arguments"]
-    return {"id": call.get("id", ""), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    return {"id": call.get("id", ""), "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}

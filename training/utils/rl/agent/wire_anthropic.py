@@ -83,7 +83,8 @@ def _system_text(system: Any) -> str | None:
     if system is None or isinstance(system, str):
         return system
     if not isinstance(system, list):
-        raise WireError(f"system must be a string or a list of text blocks, got {type(system).__name__}", param="system")
+        raise WireError(f"system must be a string or a list of text blocks, got {type(system).__name__}",
+                        param="system")
     texts = []
     for j, block in enumerate(system):
         text = _text_block(block, f"system[{j}]")
@@ -136,7 +137,8 @@ def _user_messages(blocks: list[dict], param: str) -> list[dict]:
             tool_use_id = block.get("tool_use_id")
             if not isinstance(tool_use_id, str) or not tool_use_id:
                 raise WireError(f"{where}.tool_use_id must be a non-empty string", param=f"{where}.tool_use_id")
-            out.append({"role": "tool", "content": _tool_result_text(block.get("content"), where), "tool_call_id": tool_use_id})
+            out.append({"role": "tool", "content": _tool_result_text(block.get("content"), where),
+                        "tool_call_id": tool_use_id})
         elif kind in ("tool_use", "thinking", "redacted_thinking"):
             raise WireError(f"{where} is a {kind} block, which only assistant messages carry", param=f"{where}.type")
         else:
@@ -285,13 +287,16 @@ def _tool_input(arguments: str) -> dict:
 
 
 def anthropic_sse_events(response: dict) -> list[bytes]:
-    """The response as a Messages stream: message_start, a start/delta/stop triple per block, message_delta, message_stop."""
+    """The response as a Messages stream: message_start, a start/delta/stop triple per block, message_delta,
+    message_stop."""
     usage = response["usage"]
-    start = {**response, "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
+    start = {**response, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {**usage, "output_tokens": 0}}
     events = [_sse("message_start", {"type": "message_start", "message": start})]
     for index, block in enumerate(response["content"]):
         opening, delta = _block_start_and_delta(block)
-        events.append(_sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": opening}))
+        events.append(_sse("content_block_start",
+                           {"type": "content_block_start", "index": index, "content_block": opening}))
         events.append(_sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
         events.append(_sse("content_block_stop", {"type": "content_block_stop", "index": index}))
     events.append(_sse("message_delta", {
@@ -306,7 +311,8 @@ def anthropic_sse_events(response: dict) -> list[bytes]:
 def _block_start_and_delta(block: dict) -> tuple[dict, dict]:
     kind = block["type"]
     if kind == "thinking":
-        return {"type": "thinking", "thinking": "", "signature": ""}, {"type": "thinking_delta", "thinking": block["thinking"]}
+        return ({"type": "thinking", "thinking": "", "signature": ""},
+                {"type": "thinking_delta", "thinking": block["thinking"]})
     if kind == "text":
         return {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
     if kind == "tool_use":

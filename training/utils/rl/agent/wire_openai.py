@@ -173,7 +173,8 @@ def _translate_tools(tools: Any) -> list[dict]:
             raise WireError(
                 f"{where}.function.parameters must be a JSON-schema object", param=f"{where}.function.parameters"
             )
-        out.append({"type": "function", "function": {"name": name, "description": description, "parameters": parameters}})
+        out.append({"type": "function",
+                    "function": {"name": name, "description": description, "parameters": parameters}})
     check_tool_names(out, "tools[{}].function.name")
     return out
 
@@ -212,7 +213,8 @@ def openai_response(
         "created": int(time.time()) if created is None else created,
         "model": model,
         "choices": [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": openai_finish_reason(parsed, finish_reason)}
+            {"index": 0, "message": message, "logprobs": None,
+             "finish_reason": openai_finish_reason(parsed, finish_reason)}
         ],
         "usage": {
             "prompt_tokens": prompt_tokens,
@@ -223,13 +225,16 @@ def openai_response(
 
 
 def openai_sse_chunks(response: dict) -> list[bytes]:
-    """The response as a stream: role/reasoning/content chunk, tool_calls chunk (if any), finish chunk with usage, [DONE]."""
+    """The response as a stream: role/reasoning/content chunk, tool_calls chunk (if any), finish chunk with usage,
+    [DONE]."""
     choice = response["choices"][0]
     message = choice["message"]
-    head = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"], "model": response["model"]}
+    head = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+            "model": response["model"]}
 
     def chunk(delta: dict, finish_reason: str | None = None, **extra: Any) -> bytes:
-        data = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}], **extra}
+        data = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+                **extra}
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
     first = {key: message[key] for key in ("role", "reasoning_content", "content") if key in message}

@@ -25,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from training.utils.rl.async_rl.errors import RolloutStallError
 from training.utils.rl.dataset import RowItem

@@ -22,8 +22,9 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from training.utils.rl.async_rl.coordinator import AcceptedRow, Batch, BatchCoordinator
 from training.utils.rl.async_rl.errors import CircuitBreaker, RolloutStallError

@@ -19,8 +19,9 @@ import asyncio
 import io
 import pickle
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import aiohttp
 import openai
@@ -32,9 +33,7 @@ def context_params(rollout_fn: Callable) -> tuple[str, ...]:
     """
     if not callable(rollout_fn):
         raise ConfigError(f"rollout_fn_factory returned {type(rollout_fn).__name__}, expected an async callable")
-    if not inspect.iscoroutinefunction(rollout_fn) and not inspect.iscoroutinefunction(
-        getattr(rollout_fn, "__call__", None)
-    ):
+    if not inspect.iscoroutinefunction(rollout_fn) and not inspect.iscoroutinefunction(rollout_fn.__call__):
         raise ConfigError("rollout_fn must be `async def rollout_fn(row, **ctx)`; got a plain function")
     params = list(inspect.signature(rollout_fn).parameters.values())
     if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
@@ -61,9 +60,8 @@ def is_recoverable(exc: BaseException) -> bool:
     status = getattr(exc, "status_code", None) or getattr(exc, "status", None)
     if isinstance(status, int) and (status in _RETRYABLE_HTTP_STATUS or status >= 500):
         return True
-    return isinstance(
-        exc, (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError, openai.APIConnectionError, openai.APITimeoutError)
-    )
+    return isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError,
+                            openai.APIConnectionError, openai.APITimeoutError))
 
 
 @dataclass
@@ -90,7 +88,7 @@ async def run_draw(
     kwargs = {k: context[k] for k in accepted_keys if k in context}
     try:
         result = await asyncio.wait_for(rollout_fn(row, **kwargs), timeout=timeout_s)
-    except (asyncio.TimeoutError, TimeoutError) as exc:
+    except TimeoutError as exc:
         return DrawResult(None, "timeout", exc)
     except Exception as exc:
         if is_recoverable(exc):

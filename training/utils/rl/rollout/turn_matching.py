@@ -24,7 +24,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from training.utils.errors import ConfigError
@@ -39,7 +39,7 @@ REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 """Assistant reasoning is never part of identity: OpenAI-style clients do not echo it back."""
 
 
-class TurnKind(str, Enum):
+class TurnKind(StrEnum):
     NEW = "new"
     APPEND = "append"
     WIPE = "wipe"
