@@ -998,3 +998,19 @@ def test_graph_decode_steps_need_cuda(tiny):
     model, tok = tiny
     with pytest.raises(ConfigError, match="decode_steps='graphs' needs a CUDA device"):
         Engine(copy.deepcopy(model), tok, DeploymentConfig(decode_steps="graphs"))
+
+
+def test_the_static_step_traces_as_one_graph_without_host_syncs(tiny):
+    """What CUDA-graph capture needs of the step, checked on a CPU: dynamo traces the whole forward
+    (model, cache writes, mask) as one graph, so it has no `.item()`-style host syncs and no Python
+    branch on tensor values, and the traced step computes the eager logits."""
+    model, _ = tiny
+    steps = DecodeSteps(model, max_rows=8, capture=False)
+    with torch.inference_mode():
+        batch = KVBatch.prefill(model, [[5, 6, 7, 8], [9, 10]])[0].with_stable_buffers(8)
+        steps.tokens[:2] = torch.tensor([11, 12])
+        steps.write_col.fill_(batch.length)
+        batch.mask_buf[:2, batch.length] = 1
+        eager = steps._forward(batch, 2, 64).clone()
+        traced = torch.compile(steps._forward, fullgraph=True, backend="eager")(batch, 2, 64)
+    assert (traced - eager).abs().max() < 1e-5
