@@ -59,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast", "bf16"])
     parser.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, flex_attention, eager, ...)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--compile-layers", action="store_true", help="TrainerConfig.compile_layers")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: known GPUs)")
     return parser.parse_args()
@@ -132,7 +133,7 @@ def time_layout(model, datums, args, device, packed: bool) -> float:
     """Seconds per optimizer step, averaged over `args.steps` after `args.warmup`."""
     cfg = TrainerConfig(learning_rate=1e-6, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
                         precision=args.precision, pack_sequences=packed,
-                        gradient_checkpointing=args.gradient_checkpointing)
+                        gradient_checkpointing=args.gradient_checkpointing, compile_layers=args.compile_layers)
     trainer = Trainer(model, cfg)
     for _ in range(args.warmup):
         trainer.forward_backward(datums, pg_loss)
@@ -159,7 +160,8 @@ def main() -> None:
     print(
         f"model={args.shape or args.model or SMOLLM2_ALIAS} params={params / 1e6:.1f}M device={device} "
         f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) weights={dtype} "
-        f"precision={args.precision} attn={args.attn} batch={args.batch} seq_len<={args.seq_len} "
+        f"precision={args.precision} attn={args.attn} compile_layers={args.compile_layers} "
+        f"batch={args.batch} seq_len<={args.seq_len} "
         f"tokens/step={tokens} max_tokens_per_microbatch={args.max_tokens_per_microbatch} "
         f"torch={torch.__version__} threads={torch.get_num_threads()}"
     )

@@ -440,3 +440,21 @@ def test_reference_trainer_is_frozen(model):
         reference.forward_backward(datums, nll_loss)
     with pytest.raises(RuntimeError, match="reference"):
         reference.optim_step()
+
+
+def test_compiled_layers_give_the_eager_logprobs_and_gradient(model):
+    datums = random_datums([23, 6, 14, 31, 2, 9])
+    eager = Trainer(model, TrainerConfig(max_tokens_per_microbatch=32))
+    want_lp = eager.logprobs(datums)
+    eager.forward_backward(datums, token_mean_pg_loss)
+    want_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    compiled = Trainer(model, TrainerConfig(max_tokens_per_microbatch=32, compile_layers=True))
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    got_lp = compiled.logprobs(datums)
+    compiled.forward_backward(datums, token_mean_pg_loss)
+    for want, got in zip(want_lp, got_lp):
+        assert (want - got).abs().max() < 1e-5
+    for name, grad in grads(model).items():
+        assert (grad - want_grads[name]).abs().max() < 1e-6, name

@@ -21,7 +21,8 @@ tests)
 trainer)
     for args in "--shape smollm2-135m --batch 64 --seq-len 1024" \
                 "--shape llama-1b --batch 32 --seq-len 2048" \
-                "--shape llama-1b --batch 32 --seq-len 2048 --attn flex_attention --layouts packed"; do
+                "--shape llama-1b --batch 32 --seq-len 2048 --attn flex_attention --layouts packed" \
+                "--shape llama-1b --batch 32 --seq-len 2048 --attn flex_attention --layouts packed --compile-layers"; do
         python3 benchmarks/trainer_throughput.py $args --max-tokens-per-microbatch 16384 --steps 3 2>&1 | tee -a "$log"
     done
     ;;

@@ -358,6 +358,8 @@ class Trainer:
             model.requires_grad_(False)
             model.eval()
             self._shard_if_distributed()
+            if cfg.compile_layers:
+                _compile_layers(model)
             return
         if cfg.lr_schedule != "constant" and cfg.total_steps is None:
             raise ConfigError(f"lr_schedule={cfg.lr_schedule!r} decays over total_steps; set total_steps")
@@ -368,6 +370,8 @@ class Trainer:
         if cfg.gradient_checkpointing:
             _enable_activation_checkpointing(model)
         self._shard_if_distributed()
+        if cfg.compile_layers:
+            _compile_layers(model)
         self.optimizer = torch.optim.AdamW(
             _param_groups(model, cfg.weight_decay),
             lr=cfg.learning_rate,
@@ -732,6 +736,15 @@ def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _compile_layers(model: torch.nn.Module) -> None:
+    """`torch.compile` every decoder layer in place (after FSDP2 sharding, which then stays outside the graph)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(f"trainer.compile_layers: {type(model).__name__}'s decoder has no `layers` ModuleList")
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
