@@ -193,6 +193,38 @@ def read_model(body: dict) -> str:
     return model
 
 
+def read_messages(body: Any) -> list:
+    """The non-empty `messages` list of a request body (both wires start with it)."""
+    if not isinstance(body, dict):
+        raise WireError(f"the request body must be a JSON object, got {type(body).__name__}")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise WireError("messages must be a non-empty list", param="messages")
+    return messages
+
+
+def read_tool_list(tools: Any) -> list:
+    """A request's `tools`: [] when absent, else it must be a list (its entries are the wire's to check)."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise WireError("tools must be a list", param="tools")
+    return tools
+
+
+def function_tool(name: Any, description: Any, schema: Any, *, params: tuple[str, str, str]) -> dict:
+    """A chat-template tool from one wire tool's fields; `params` are their paths, for errors."""
+    name_param, description_param, schema_param = params
+    if not isinstance(name, str) or not name:
+        raise WireError(f"{name_param} must be a non-empty string", param=name_param)
+    description = description or ""
+    if not isinstance(description, str):
+        raise WireError(f"{description_param} must be a string", param=description_param)
+    if not isinstance(schema, dict):
+        raise WireError(f"{schema_param} must be a JSON-schema object", param=schema_param)
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
+
+
 def check_tool_names(tools: list[dict], name_param: str) -> None:
     """Duplicate tool names make a call ambiguous; `name_param` formats the param path of tool i."""
     seen: set[str] = set()

@@ -27,10 +27,13 @@ from training.utils.rl.agent.chat_format import (
     ParsedOutput,
     WireError,
     check_tool_names,
+    function_tool,
     read_bool,
+    read_messages,
     read_model,
     read_optional_int,
     read_string_list,
+    read_tool_list,
     retag_tool_call_id,
     system_reminder,
 )
@@ -60,13 +63,8 @@ def new_message_id() -> str:
 
 def anthropic_request(body: Any) -> ChatRequest:
     """Validate a Messages (or count_tokens) request body and translate it; WireError names the bad field."""
-    if not isinstance(body, dict):
-        raise WireError(f"the request body must be a JSON object, got {type(body).__name__}")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise WireError("messages must be a non-empty list", param="messages")
     chat_messages: list[dict] = []
-    for i, message in enumerate(messages):
+    for i, message in enumerate(read_messages(body)):
         chat_messages += _translate_message(message, f"messages[{i}]")
     return ChatRequest(
         system=_system_text(body.get("system")),
@@ -210,26 +208,15 @@ def _tool_result_text(content: Any, where: str) -> str:
 
 
 def _translate_tools(tools: Any) -> list[dict]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise WireError("tools must be a list", param="tools")
     out = []
-    for i, tool in enumerate(tools):
+    for i, tool in enumerate(read_tool_list(tools)):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise WireError(f"{where} must be an object", param=where)
         if tool.get("type") not in (None, "custom") and "input_schema" not in tool:
             continue  # a server tool (e.g. web_search) that only Anthropic's own servers run
-        name, schema = tool.get("name"), tool.get("input_schema")
-        if not isinstance(name, str) or not name:
-            raise WireError(f"{where}.name must be a non-empty string", param=f"{where}.name")
-        if not isinstance(schema, dict):
-            raise WireError(f"{where}.input_schema must be a JSON-schema object", param=f"{where}.input_schema")
-        description = tool.get("description") or ""
-        if not isinstance(description, str):
-            raise WireError(f"{where}.description must be a string", param=f"{where}.description")
-        out.append({"type": "function", "function": {"name": name, "description": description, "parameters": schema}})
+        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
+                                 params=(f"{where}.name", f"{where}.description", f"{where}.input_schema")))
     check_tool_names(out, "tools[{}].name")
     return out
 

@@ -25,10 +25,13 @@ from training.utils.rl.agent.chat_format import (
     ParsedOutput,
     WireError,
     check_tool_names,
+    function_tool,
     read_bool,
+    read_messages,
     read_model,
     read_optional_int,
     read_string_list,
+    read_tool_list,
     system_reminder,
 )
 from training.utils.rl.rollout.turn_matching import canonical_arguments
@@ -46,11 +49,7 @@ def new_completion_id() -> str:
 
 def openai_request(body: Any) -> ChatRequest:
     """Validate a chat.completions request body and translate it; WireError names the bad field."""
-    if not isinstance(body, dict):
-        raise WireError(f"the request body must be a JSON object, got {type(body).__name__}")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise WireError("messages must be a non-empty list", param="messages")
+    messages = read_messages(body)
     n = body.get("n")
     if n is not None and n != 1:
         raise WireError(f"n must be 1 (the shim samples one reply per request), got {n!r}", param="n")
@@ -148,12 +147,8 @@ def _tool_call(call: Any, param: str) -> dict:
 
 
 def _translate_tools(tools: Any) -> list[dict]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise WireError("tools must be a list", param="tools")
     out = []
-    for i, tool in enumerate(tools):
+    for i, tool in enumerate(read_tool_list(tools)):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise WireError(f"{where} must be an object", param=where)
@@ -162,19 +157,9 @@ def _translate_tools(tools: Any) -> list[dict]:
         function = tool.get("function")
         if not isinstance(function, dict):
             raise WireError(f"{where}.function must be an object", param=f"{where}.function")
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise WireError(f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
-        description = function.get("description") or ""
-        if not isinstance(description, str):
-            raise WireError(f"{where}.function.description must be a string", param=f"{where}.function.description")
+        fields = tuple(f"{where}.function.{name}" for name in ("name", "description", "parameters"))
         parameters = function.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, dict):
-            raise WireError(
-                f"{where}.function.parameters must be a JSON-schema object", param=f"{where}.function.parameters"
-            )
-        out.append({"type": "function",
-                    "function": {"name": name, "description": description, "parameters": parameters}})
+        out.append(function_tool(function.get("name"), function.get("description"), parameters, params=fields))
     check_tool_names(out, "tools[{}].function.name")
     return out
 
