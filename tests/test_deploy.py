@@ -430,6 +430,24 @@ def test_update_weights_validates_names_and_shapes(tiny):
         engine.close()
 
 
+def test_repeated_updates_reuse_the_pairing_and_still_check_each_call(tiny, tiny_other):
+    model, tok = tiny
+    engine = Engine(copy.deepcopy(model), tok, DeploymentConfig())
+    try:
+        for version, source in enumerate([tiny_other, model, tiny_other], start=1):  # same names: the pairing is reused
+            engine.update_weights(source.state_dict(), version)
+            for name, tensor in engine.model.state_dict().items():
+                assert torch.equal(tensor, source.state_dict()[name]), (version, name)
+        norm = {"model.norm.weight": torch.full_like(model.model.norm.weight, 2.0)}
+        engine.update_weights(norm, 4)  # a subset: paired anew
+        assert torch.equal(engine.model.model.norm.weight, norm["model.norm.weight"])
+        with pytest.raises(ValueError, match="model.norm.weight"):
+            engine.update_weights({"model.norm.weight": torch.zeros(3)}, 5)
+        assert engine.version == 4
+    finally:
+        engine.close()
+
+
 def test_in_process_sync_changes_greedy_output_and_version(tiny, tiny_other):
     model, tok = tiny
     prompt = tok.encode("The capital of France is")

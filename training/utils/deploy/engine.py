@@ -160,6 +160,7 @@ class Engine:
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
         self._targets = self._weight_targets()
+        self._last_match: tuple[tuple, tuple[list[torch.Tensor], list[int]]] | None = None
         self._version = 0
         # Shared with callers, guarded by `_wake`'s lock.
         self._wake = threading.Condition()
@@ -440,6 +441,9 @@ class Engine:
         try:
             with torch.no_grad():
                 torch._foreach_copy_(job.dst, job.src)
+            if job.dst[0].is_cuda:
+                # The version moves once the copy is done, and a failed copy is reported to the caller.
+                torch.cuda.synchronize(job.dst[0].device)
             self._version = job.version
             self.stats["weight_updates"] += 1
         except Exception as e:  # noqa: BLE001 - reported to the caller of update_weights
@@ -589,8 +593,22 @@ class Engine:
         return {name: t.detach() for name, t in self.model.state_dict(keep_vars=True).items()}
 
     def _match_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> tuple[list, list]:
-        dst, src, seen = [], [], set()
-        for name, tensor in named_tensors.items():
+        """(engine tensors, given tensors) to copy pairwise, each name checked against the engine's model.
+
+        A trainer sends the same names and shapes every time, so the last call's checks are reused
+        when they match: on a GPU checking 300 names costs more than copying a small model.
+        """
+        given = list(named_tensors.items())
+        key = tuple((name, tensor.shape) for name, tensor in given)
+        if self._last_match is None or self._last_match[0] != key:
+            self._last_match = (key, self._pair_weights(given))
+        dst, used = self._last_match[1]
+        return dst, [given[i][1] for i in used]  # copied under no_grad: no detach needed
+
+    def _pair_weights(self, given: list[tuple[str, torch.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
+        """The engine tensor for each given name, and the positions of the given tensors to copy from."""
+        dst, used, seen = [], [], set()
+        for index, (name, tensor) in enumerate(given):
             target = self._targets.get(name)
             if target is None:
                 raise ValueError(
@@ -605,10 +623,10 @@ class Engine:
                 continue
             seen.add(target.data_ptr())
             dst.append(target)
-            src.append(tensor.detach())
+            used.append(index)
         if not dst:
             raise ValueError("update_weights: no tensors given")
-        return dst, src
+        return dst, used
 
 
 def _decode_steps(model, cfg: DeploymentConfig, stats: dict[str, int]) -> DecodeSteps | None:
