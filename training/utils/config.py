@@ -41,8 +41,8 @@ class TrainerConfig(StrictModel):
     """Concatenate each micro-batch's datums into one row, position ids restarting at every datum, instead of
     right-padding them to the longest: no padding is computed, and the budget counts real tokens. Flash/flex
     attention keep the datums apart at the cost of each datum alone; the default `sdpa` builds a block-diagonal
-    mask and computes the whole row's length squared, which still paid off on a CPU for lengths spread over
-    64-256 tokens (1.6x, benchmarks/RESULTS.md) but costs more as rows grow past a few thousand tokens."""
+    mask and computes the whole row's length squared. On a CPU that paid off for lengths spread over 64-256
+    tokens (1.6x faster) and cost 1.4x for many ~50-token datums in 2048-token rows (benchmarks/RESULTS.md)."""
     precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
     """Trainer numerics. `fp32`: float32 everywhere. `bf16-autocast`: float32 weights, gradients and AdamW state,
     matmuls in bfloat16 under autocast. `bf16`: bfloat16 weights and AdamW state (half the memory, but an update
