@@ -46,6 +46,23 @@ def test_run_health_warns_once_per_flag_with_its_lever(caplog):
     assert RunHealth().summary_text() == "run health: no red flags"
 
 
+def test_logprob_gap_flags_tell_a_mismatch_from_staleness():
+    """The same 0.15-nat gap is a sampler/trainer mismatch on fresh tokens and ordinary staleness on
+    tokens one version old (the README's main job, O=1); 0.4 nats of staleness is far off-policy."""
+    def fired(gap, offset):
+        health = RunHealth(patience=3)
+        metrics = {"rollout/sampler_trainer_logprob_diff": gap, "async/token_version_offset_mean": offset}
+        return [name for step in range(1, 5) for name in health.check(step, metrics)]
+
+    assert fired(0.15, 0.0) == ["sampler_trainer_gap"]
+    assert fired(0.15, 1.0) == []
+    assert fired(0.4, 1.0) == ["offpolicy_gap"]
+    assert fired(0.05, 0.0) == []
+    # The synchronous recipe logs no token offsets: every token is fresh.
+    health = RunHealth(patience=1)
+    assert health.check(1, {"rollout/sampler_trainer_logprob_diff": 0.15}) == ["sampler_trainer_gap"]
+
+
 def test_producer_axis_and_torn_ledger_lines(tmp_path):
     logger = RunLogger(tmp_path, progress=False)
     logger.log_stream("producer/event", {"producer/in_flight_calls": 4})

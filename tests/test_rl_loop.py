@@ -66,6 +66,10 @@ def test_sampling_then_training_then_sync_ordering(tmp_path):
     # Rows are consumed in order without repeats within the epoch: 3 steps × 2 rows = all 6.
     assert sorted({row_id for row_id, _, _ in calls}) == [r["id"] for r in ROWS]
     assert (tmp_path / "run" / "reward.png").is_file()
+    # The scripted logprobs (-1, -2) are not the tiny model's (~ -5.6): on fresh tokens that is a
+    # sampler/trainer mismatch, flagged once it held for 3 steps.
+    assert list(summary["health"]) == ["sampler_trainer_gap"]
+    assert summary["health"]["sampler_trainer_gap"]["first_step"] == 3
 
 
 def test_none_and_recoverable_errors_drop_draws_and_the_run_continues(tmp_path):

@@ -38,7 +38,7 @@ from training.utils import distributed
 from training.utils.config import RLConfig
 from training.utils.deploy import start_deployment
 from training.utils.errors import CircuitBreakerError
-from training.utils.logging import RunLogger
+from training.utils.logging import RunHealth, RunLogger
 from training.utils.rl.async_rl import TrainerWorker
 from training.utils.rl.async_rl.telemetry import perf_metrics
 from training.utils.rl.dataset import RowCursor, RowItem
@@ -100,6 +100,7 @@ async def run(
     )
     logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress,
                        wandb_project=cfg.wandb_project, config=cfg.model_dump(), new_run=True)
+    health = RunHealth()
     shim = None
     try:
         shim = await start_agent_shim(cfg, tokenizer, deployment)  # None unless cfg.agent_shim.enabled
@@ -122,6 +123,7 @@ async def run(
             if not groups:
                 empty_batches = check_empty_batch(empty_batches, settled_P, cfg)
                 logger.log(step, metrics | {"perf/step_time": t_sampled - t_step})
+                health.check(step, metrics)
                 continue
             empty_batches = 0
             # 2.–3. Reference and old-policy logprobs, then the PPO inner loop (on a worker thread).
@@ -141,6 +143,7 @@ async def run(
             if cfg.eval_interval and step % cfg.eval_interval == 0 and step != total_steps:
                 metrics |= await maybe_evaluate(evaluation_fn, setup, step, None)
             logger.log(step, metrics)
+            health.check(step, metrics)
         metrics |= await maybe_evaluate(evaluation_fn, setup, total_steps, logger if total_steps else None)
         if cfg.output_dir:
             await worker.run(policy.save_hf, cfg.output_dir, tokenizer)
@@ -150,10 +153,12 @@ async def run(
         if shim is not None:
             await shim.close()  # before the deployment it samples from
         await deployment.close()
+    (log.warning if health.first_step else log.info)(health.summary_text())
     summary = {
         "steps": total_steps,
         "version": deployment.version,
         "metrics": metrics,
+        "health": health.summary(),
         "log_path": str(Path(cfg.log_path)),
         "ledger": str(logger.ledger_path),
         "plots": [str(p) for p in plots],

@@ -250,8 +250,11 @@ class RunHealth:
                          "or raise ppo_minibatches",
         "ratio_far_from_1": "the importance ratio is far from 1 (the policy moved a lot within a batch): lower "
                             "trainer.learning_rate or ppo_epochs",
-        "sampler_trainer_gap": "sampler and trainer logprobs disagree (mean |π_old − μ| > 0.1 nats): lower "
-                               "max_head_offpolicy_versions, set tis, and keep sampling.top_p=1, top_k=0",
+        "sampler_trainer_gap": "sampler and trainer logprobs disagree on the same weights (mean |π_old − μ| > 0.1 "
+                               "nats): keep sampling.top_p=1 and top_k=0, match the engine's dtype to the "
+                               "trainer's, and set tis",
+        "offpolicy_gap": "samples are far off-policy (mean |π_old − μ| > 0.3 nats, the policy moved a lot since "
+                         "they were drawn): lower max_head_offpolicy_versions or trainer.learning_rate, or set tis",
         "length_capped": "most responses stop at the length cap: raise sampling.max_tokens or penalise overlong "
                          "responses in the reward",
         "reward_flat": "the reward has not moved over the last 10 steps: check the reward function and "
@@ -281,6 +284,8 @@ class RunHealth:
         if "rollout/raw_reward" in m:
             self._rewards.append(m["rollout/raw_reward"])
         recent = self._rewards[-self.reward_window:]
+        gap = m.get("rollout/sampler_trainer_logprob_diff", 0.0)
+        fresh = m.get("async/token_version_offset_mean", 0.0) == 0
         conditions = {
             "entropy_collapse": "train/entropy" in m and self._first_entropy is not None
             and m["train/entropy"] < 0.1 * self._first_entropy,
@@ -288,7 +293,10 @@ class RunHealth:
             "clipfrac_high": m.get("train/pg_clipfrac", 0.0) > 0.3,
             "ratio_far_from_1": "train/ratio_mean" in m
             and (abs(m["train/ratio_mean"] - 1.0) > 0.2 or m.get("train/ratio_max", 1.0) > 10.0),
-            "sampler_trainer_gap": m.get("rollout/sampler_trainer_logprob_diff", 0.0) > 0.1,
+            # Tokens drawn by older weights add the policy's own change to the gap (~0.15 nats per
+            # step in the README's main job): only the gap of fresh tokens is a sampler/trainer mismatch.
+            "sampler_trainer_gap": fresh and gap > 0.1,
+            "offpolicy_gap": not fresh and gap > 0.3,
             "length_capped": m.get("rollout/truncated_frac", 0.0) > 0.5,
             "reward_flat": len(recent) == self.reward_window and max(recent) - min(recent) < 1e-3,
             "trainer_idle": m.get("perf/trainer_idle_frac", 0.0) > 0.5,
@@ -296,7 +304,7 @@ class RunHealth:
         }
         self._skipped = m.get("train/skipped_steps_total", self._skipped)
         # Trends need `patience` steps in a row; the rest are decisive at once.
-        needs_patience = {"reward_zero_std", "length_capped", "trainer_idle", "sampler_trainer_gap"}
+        needs_patience = {"reward_zero_std", "length_capped", "trainer_idle", "sampler_trainer_gap", "offpolicy_gap"}
         fired = []
         for name, holds in conditions.items():
             self._streak[name] = self._streak.get(name, 0) + 1 if holds else 0
