@@ -13,6 +13,7 @@ import copy
 import json
 import threading
 import time
+from unittest.mock import patch
 
 import aiohttp
 import pytest
@@ -862,6 +863,41 @@ def test_sampler_recovers_after_503_and_does_not_retry_400():
         stop()
     assert len(hits) == 4  # two 503s, one success, one 400 (not retried)
     assert (c.output_ids, c.logprobs, c.versions, c.finish_reason) == ([7, 8], [-1.0, -2.0], [3, 3], "length")
+
+
+def test_sampler_does_not_retry_a_request_that_used_up_its_timeout():
+    """The timeout bounds the whole call: a server-side timeout (408) or a client-side one is
+    reported at once, not retried into a multiple of the timeout."""
+    hits = []
+
+    async def slow_or_408(request):
+        hits.append(1)
+        body = await request.json()
+        if body["max_tokens"] == 3:
+            await asyncio.sleep(5)  # longer than the client's whole allowance below
+        return web.json_response({"error": {"message": "request timed out after 1s"}}, status=408)
+
+    url, stop = _stub_server(slow_or_408)
+    try:
+
+        async def main():
+            sampler = Sampler(url, "m", max_retries=3, backoff_s=0.01)
+            try:
+                timed_out = "HTTP 408: request timed out after 1s.*not retried"
+                with pytest.raises(RecoverableDeploymentError, match=timed_out):
+                    await sampler.sample([1, 2], max_tokens=2, timeout=1)
+                with patch("training.utils.deploy.sampler._TRANSPORT_SLACK_S", 0.2):
+                    start = time.monotonic()
+                    with pytest.raises(RecoverableDeploymentError, match="no answer within 0.5s.*not retried"):
+                        await sampler.sample([1, 2], max_tokens=3, timeout=0.3)
+                    return time.monotonic() - start
+            finally:
+                await sampler.close()
+
+        elapsed = asyncio.run(main())
+    finally:
+        stop()
+    assert len(hits) == 2 and elapsed < 2
 
 
 def test_sampler_connection_refused_is_recoverable():

@@ -6,10 +6,12 @@ token). Everything that differs between servers (the path, request extras, where
 logprobs and versions sit in the response) lives in a `Protocol` of `protocols.py`, chosen by
 name: `embedded`, `vllm`, `sglang` or `openai`.
 
-Retries: connection errors, timeouts, 5xx, 408 and 429 are retried with exponential
-backoff, then `RecoverableDeploymentError` (the rollout's draw is dropped and counted);
-any other 4xx raises `DeploymentError` with the server's message (a bug to fix, not retry).
-Every attempt is bounded by the request's timeout plus a small allowance for the transport.
+Retries: connection errors, 5xx and 429 are retried with exponential backoff, then
+`RecoverableDeploymentError` (the rollout's draw is dropped and counted). A request that ran
+out of its timeout (the server's 408, or no answer within the timeout plus a small allowance
+for the transport) is not retried: the timeout bounds the whole call, so it is a
+`RecoverableDeploymentError` at once. Any other 4xx raises `DeploymentError` with the
+server's message (a bug to fix, not retry).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from training.utils.deploy.completion import Completion
 from training.utils.deploy.protocols import PROTOCOLS
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 
-RETRY_STATUSES = frozenset({408, 429})
+RETRY_STATUSES = frozenset({429})
 # Seconds added to a request's own timeout for the HTTP round trip: the server times out first
 # and says so, the client only when the server is unreachable or stalled.
 _TRANSPORT_SLACK_S = 10.0
@@ -125,13 +127,22 @@ class Sampler:
                 ) as resp:
                     text = await resp.text()
                     status = resp.status
-            except (aiohttp.ClientError, TimeoutError) as e:
+            except TimeoutError:
+                raise RecoverableDeploymentError(
+                    f"POST {url} got no answer within {attempt_timeout:g}s (the request's timeout plus "
+                    f"{_TRANSPORT_SLACK_S:g}s); not retried"
+                ) from None
+            except aiohttp.ClientError as e:
                 last = f"{type(e).__name__}: {e}"
                 continue
             data = _loads(text)
             if status == 200 and isinstance(data, (dict, list)):  # SGLang answers a batch with a list
                 return data
             message = _error_message(data, text)
+            if status == 408:
+                raise RecoverableDeploymentError(
+                    f"POST {url} timed out on the server (HTTP 408: {message}); not retried"
+                )
             if status in RETRY_STATUSES or status >= 500 or status == 200:
                 last = f"HTTP {status}: {message}"
                 continue
