@@ -49,6 +49,18 @@ def make_policy(seed: int = 0):
     return Trainer(model, rl_cfg().trainer.model_copy(update={"total_steps": 100}))
 
 
+def make_lora_policy(seed: int = 0):
+    """A LoRA policy (rank 4) on the same tiny model; a high learning rate so the adapters move."""
+    from training.utils.model import load_model_and_tokenizer
+    from training.utils.tiny_model import tiny_config
+    from training.utils.trainer import Trainer
+
+    torch.manual_seed(seed)
+    model, _ = load_model_and_tokenizer(tiny_config(VOCAB), device="cpu")
+    cfg = rl_cfg().trainer.model_copy(update={"total_steps": 100, "lora_rank": 4, "learning_rate": 1e-2})
+    return Trainer(model, cfg)
+
+
 def make_datums(seed: int = 1):
     from training.utils.rl.rollout.types import Datum
 
@@ -152,9 +164,9 @@ def child(scenario: str, out: Path) -> None:
     from training.utils import distributed
 
     torch.set_num_threads(1)
-    if scenario == "trainer":
+    if scenario in ("trainer", "lora"):
         with distributed.distributed_session(timeout_s=120):
-            child_trainer(out)
+            (child_trainer if scenario == "trainer" else child_lora)(out)
         return
     from training.recipes import async_rl_loop, rl_loop
 
@@ -210,6 +222,24 @@ def child_trainer(out: Path) -> None:
                     "final": policy.state_dict_for_inference()}, out / "rank0.pt")
     else:
         assert policy.state_dict_for_inference() == {}
+
+
+def child_lora(out: Path) -> None:
+    from training.utils import distributed
+    from training.utils.checkpoint import save_checkpoint
+
+    policy, datums, rng = make_lora_policy(), make_datums(), np.random.default_rng(0)
+    reference = policy.adapter_disabled_reference().logprobs(datums)
+    run_metrics = [train_step(policy, datums, rng) for _ in range(SHORT_RUN_STEPS)]
+    save_checkpoint(out / "ckpt", CHECKPOINT_STEP, policy=policy, progress={"step": CHECKPOINT_STEP}, np_rng=rng)
+    merged = policy.state_dict_for_inference()
+    after = train_step(policy, datums, rng)
+    policy.save_hf(out / "hf")
+    if distributed.is_main():
+        torch.save({"reference": reference, "run_metrics": run_metrics, "merged": merged, "after": after},
+                   out / "rank0.pt")
+    else:
+        assert merged == {}
 
 
 def torchrun(scenario: str, out: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -290,6 +320,42 @@ def test_export_under_torchrun_is_a_plain_model(two_ranks):
     exported = AutoModelForCausalLM.from_pretrained(out / "hf").state_dict()
     for name, weight in seen["final"].items():
         assert torch.equal(exported[name], weight), name
+
+
+def test_lora_under_torchrun_matches_one_process_and_resumes_in_one(tmp_path):
+    """LoRA sharded over 2 ranks: the adapter-disabled reference, a short run's losses, the merged
+    export (weight sync and `save_hf`) and a checkpoint that one process resumes from."""
+    from transformers import AutoModelForCausalLM
+
+    from training.utils.checkpoint import latest_checkpoint, load_checkpoint
+
+    result = torchrun("lora", tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    seen = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    policy, datums, rng = make_lora_policy(), make_datums(), np.random.default_rng(0)
+    for mine, theirs in zip(policy.adapter_disabled_reference().logprobs(datums), seen["reference"]):
+        torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=0)
+    for theirs in seen["run_metrics"]:
+        mine = train_step(policy, datums, rng)
+        for name in ("train/loss", "train/grad_norm", "train/ratio_mean"):
+            # The adapters' gradient norm is ~8 here: float32 sums in another order differ by ~1e-6 of it.
+            assert theirs[name] == pytest.approx(mine[name], rel=1e-5, abs=1e-5), name
+    merged = policy.state_dict_for_inference()
+    assert merged.keys() == seen["merged"].keys() and not any(".lora_" in name for name in merged)
+    for name, weight in merged.items():
+        assert (seen["merged"][name] - weight).abs().max() <= 1e-5, name
+
+    resumed, resumed_rng = make_lora_policy(), np.random.default_rng(999)
+    assert load_checkpoint(latest_checkpoint(tmp_path / "ckpt"), policy=resumed, np_rng=resumed_rng) == {
+        "step": CHECKPOINT_STEP}
+    for name, weight in resumed.state_dict_for_inference().items():
+        assert (seen["merged"][name] - weight).abs().max() <= 1e-5, name
+    after = train_step(resumed, datums, resumed_rng)
+    assert after["train/loss"] == pytest.approx(seen["after"]["train/loss"], abs=1e-5)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    final = resumed.state_dict_for_inference()
+    for name, weight in final.items():
+        assert (exported[name] - weight).abs().max() <= 1e-5, name
 
 
 def test_a_trainer_call_names_each_rank_own_objects():

@@ -384,8 +384,6 @@ class Trainer:
         """Under torchrun, FSDP2 over this trainer's model; the optimizer is built afterwards, on the shards."""
         if not distributed.is_distributed():
             return
-        if self.lora:
-            raise ConfigError("trainer.lora_rank > 0 is not supported under torchrun yet; train LoRA in one process")
         self._sharded_root = _ShardedRoot(self.model, self._forward)
         distributed.shard_model(self.model, self._sharded_root)
 
@@ -618,7 +616,8 @@ class Trainer:
         CPU; the other ranks get {}.
         """
         if self.lora:
-            return merged_state_dict(self.model)
+            merged = merged_state_dict(self.model)
+            return merged if self._sharded_root is None else _gather_to_main(merged)
         if self._sharded_root is not None:
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return self.model.state_dict()
@@ -634,7 +633,7 @@ class Trainer:
         state = self.state_dict_for_inference()
         if not distributed.is_main():
             return None
-        return _unsharded_copy(self.model, state, self.device)
+        return _unsharded_copy(self.model.get_base_model() if self.lora else self.model, state, self.device)
 
     def save_hf(self, path: str | Path, tokenizer=None) -> None:
         """Write a Hugging Face directory (config + safetensors, and the tokenizer if given).
@@ -712,6 +711,17 @@ def _filler_batch() -> _PaddedBatch:
     return _PaddedBatch(input_ids=token, attention_mask=torch.ones_like(token), position_ids=None, target_ids=token,
                         weights=zeros, behaviour_logprobs=zeros, advantages=torch.zeros(1), extras={},
                         positions=position, hidden_index=position)
+
+
+def _gather_to_main(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A collective: each sharded tensor gathered whole, one at a time, kept on rank 0's CPU; {} elsewhere."""
+    main = distributed.is_main()
+    gathered = {}
+    for name, tensor in state.items():  # the same order on every rank
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if main:
+            gathered[name] = full.detach().cpu()
+    return gathered
 
 
 def _unsharded_copy(model: torch.nn.Module, state: dict[str, Tensor], device: torch.device) -> torch.nn.Module:
