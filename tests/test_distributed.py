@@ -164,9 +164,9 @@ def child(scenario: str, out: Path) -> None:
     from training.utils import distributed
 
     torch.set_num_threads(1)
-    if scenario in ("trainer", "lora"):
+    if scenario in ("trainer", "lora", "bf16"):
         with distributed.distributed_session(timeout_s=120):
-            (child_trainer if scenario == "trainer" else child_lora)(out)
+            {"trainer": child_trainer, "lora": child_lora, "bf16": child_bf16}[scenario](out)
         return
     from training.recipes import async_rl_loop, rl_loop
 
@@ -240,6 +240,28 @@ def child_lora(out: Path) -> None:
                    out / "rank0.pt")
     else:
         assert merged == {}
+
+
+def child_bf16(out: Path) -> None:
+    """The policy under `bf16-autocast` (the CUDA default): shards gathered as bf16, gradients reduced in fp32."""
+    from training.utils import distributed
+    from training.utils.model import load_model_and_tokenizer
+    from training.utils.tiny_model import tiny_config
+    from training.utils.trainer import Trainer
+
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer(tiny_config(VOCAB), device="cpu")
+    cfg = rl_cfg().trainer.model_copy(update={"total_steps": 100, "precision": "bf16-autocast"})
+    policy, datums = Trainer(model, cfg), make_datums()
+    gathered_dtypes = set()
+    hook = policy.model.model.layers[0].mlp.up_proj.register_forward_pre_hook(
+        lambda module, args: gathered_dtypes.add(module.weight.dtype))
+    logprobs = policy.logprobs(datums)
+    hook.remove()
+    grads, _ = first_gradient(policy, datums)
+    if distributed.is_main():
+        torch.save({"logprobs": logprobs, "grads": grads, "gathered_dtypes": gathered_dtypes,
+                    "shard_dtype": policy.model.model.layers[0].mlp.up_proj.weight.dtype}, out / "rank0.pt")
 
 
 def torchrun(scenario: str, out: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -356,6 +378,30 @@ def test_lora_under_torchrun_matches_one_process_and_resumes_in_one(tmp_path):
     final = resumed.state_dict_for_inference()
     for name, weight in final.items():
         assert (exported[name] - weight).abs().max() <= 1e-5, name
+
+
+def test_bf16_autocast_under_torchrun_gathers_bf16_and_keeps_fp32_shards(tmp_path):
+    """The CUDA default numerics sharded: layers run on bf16 copies of float32 shards; logprobs and
+    the gradient agree with one process under bf16 autocast to bf16 precision (not to fp32's)."""
+    from training.utils.model import load_model_and_tokenizer
+    from training.utils.tiny_model import tiny_config
+    from training.utils.trainer import Trainer
+
+    result = torchrun("bf16", tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    seen = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert seen["gathered_dtypes"] == {torch.bfloat16} and seen["shard_dtype"] == torch.float32
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer(tiny_config(VOCAB), device="cpu")
+    cfg = rl_cfg().trainer.model_copy(update={"total_steps": 100, "precision": "bf16-autocast"})
+    policy, datums = Trainer(model, cfg), make_datums()
+    gaps = [(mine - theirs).abs().max().item() for mine, theirs in zip(policy.logprobs(datums), seen["logprobs"])]
+    assert max(gaps) < 0.05, gaps
+    grads, _ = first_gradient(policy, datums)
+    for name, grad in grads.items():
+        theirs = seen["grads"][name]
+        assert theirs.dtype == torch.float32, name
+        assert (theirs - grad).norm() <= 0.05 * grad.norm() + 1e-6, name
 
 
 def test_a_trainer_call_names_each_rank_own_objects():

@@ -124,16 +124,19 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return gathered
 
 
-def shard_model(model: torch.nn.Module, root: torch.nn.Module) -> None:
+def shard_model(model: torch.nn.Module, root: torch.nn.Module, *, bf16_compute: bool = False) -> None:
     """FSDP2 over the default group: each decoder layer of the Hugging Face `model` is its own
     group (gathered just before it runs, freed just after), then `root`, a module that contains
     `model`, takes the rest (embeddings, final norm, lm_head, tied weights included).
+
+    `bf16_compute` (the trainer's `bf16-autocast`): the float32 shards are gathered as bfloat16,
+    half the bytes, and gradients are reduced in float32 into float32 shards.
 
     Gradients are summed across ranks, not averaged: each rank's loss is already normalised by
     the token (or sequence) count of the whole batch, so the per-rank gradients add up to the
     single-process gradient of that batch.
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -141,9 +144,11 @@ def shard_model(model: torch.nn.Module, root: torch.nn.Module) -> None:
             f"cannot shard {type(model).__name__} with FSDP2: its decoder has no `layers` ModuleList "
             "(the transformer blocks); train it in one process"
         )
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute \
+        else MixedPrecisionPolicy()
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(root)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(root, mp_policy=policy)
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -385,7 +385,7 @@ class Trainer:
         if not distributed.is_distributed():
             return
         self._sharded_root = _ShardedRoot(self.model, self._forward)
-        distributed.shard_model(self.model, self._sharded_root)
+        distributed.shard_model(self.model, self._sharded_root, bf16_compute=self.precision == "bf16-autocast")
 
     # ---- forward passes -------------------------------------------------------------
 
