@@ -3,6 +3,7 @@ a supervised sanity run, the non-finite-gradient guard, LR schedules, export and
 
 import logging
 import math
+import shutil
 
 import pytest
 import torch
@@ -442,6 +443,8 @@ def test_reference_trainer_is_frozen(model):
         reference.optim_step()
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_layers_give_the_eager_logprobs_and_gradient(model):
     datums = random_datums([23, 6, 14, 31, 2, 9])
     eager = Trainer(model, TrainerConfig(max_tokens_per_microbatch=32))
