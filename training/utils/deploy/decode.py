@@ -13,7 +13,7 @@ nothing but wasted attention columns. This is how `model.generate` lays out a le
 batch, which is why greedy outputs match it.
 
 Each layer's keys/values live in buffers of shape (R, H, C, D) with spare rows and columns
-(`_SlotLayer`): a decode step writes one column in place (transformers' `DynamicLayer`
+(`SlotLayer`): a decode step writes one column in place (transformers' `DynamicLayer`
 instead re-concatenates the whole cache every step). Live rows are the first B slots.
 - New rows are prefilled on their own (left-padded among themselves) and copied into free
   slots, right-aligned to column L (`insert`): only the new rows are written. A prompt
@@ -45,7 +45,7 @@ _GROW_COLUMNS = 64
 _generations = itertools.count()
 
 
-class _SlotLayer(DynamicLayer):
+class SlotLayer(DynamicLayer):
     """One layer's keys/values: buffers (R, H, C, D) of which rows [:B] and columns [:L] are live.
 
     `keys`/`values` are views of the live part, as transformers expects of a `DynamicLayer`;
@@ -120,7 +120,7 @@ class KVBatch:
     """KV cache, attention mask and next positions of B right-aligned rows in R >= B slots."""
 
     def __init__(
-        self, layers: list[_SlotLayer], mask_buf: torch.Tensor, next_pos: torch.Tensor, rows: int, length: int
+        self, layers: list[SlotLayer], mask_buf: torch.Tensor, next_pos: torch.Tensor, rows: int, length: int
     ):
         self.layers = layers
         self.cache = Cache(layers=layers)
@@ -154,7 +154,7 @@ class KVBatch:
         ids, mask = ids.to(device), mask.to(device)
         # Pad positions get position 0; they are masked out, so the value only has to be valid.
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-        layers = [_SlotLayer(None, None, len(prompts_P), 0) for _ in range(_num_layers(model))]
+        layers = [SlotLayer(None, None, len(prompts_P), 0) for _ in range(_num_layers(model))]
         batch = cls(layers, mask, mask.sum(-1), len(prompts_P), 0)
         out = model(
             input_ids=ids,
@@ -253,14 +253,15 @@ class KVBatch:
         """Rebuild without the left padding every live row has, once it is at least half the width."""
         if self.rows == 0:
             self.mask_buf.zero_()
-            self._set_length(0)
+            self.set_length(0)
             return self
         lead = self.length - int(self.next_pos[: self.rows].max())
         if lead >= max(_GROW_COLUMNS, self.length // 2):
             return self._rebuild([(self, None)], row_capacity)
         return self
 
-    def _set_length(self, length: int) -> None:
+    def set_length(self, length: int) -> None:
+        """Set L, the filled columns, on the batch and its layers' views."""
         self.length = length
         for layer in self.layers:
             layer.length = length
@@ -282,7 +283,7 @@ class KVBatch:
         self.mask_buf[:B, :L] = staged.mask_buf[:B, :L]
         self.next_pos[:B] = staged.next_pos[:B]
         self._set_rows(B)
-        self._set_length(L)
+        self.set_length(L)
         return self
 
     @staticmethod
@@ -317,7 +318,7 @@ class KVBatch:
             for batch, index, dst, src, w in moves:
                 keys[dst, :, width - w : width] = batch.layers[i].keys_buf[:, :, src].index_select(0, index)
                 values[dst, :, width - w : width] = batch.layers[i].values_buf[:, :, src].index_select(0, index)
-            layers.append(_SlotLayer(keys, values, total, width))
+            layers.append(SlotLayer(keys, values, total, width))
         mask = torch.zeros(capacity, columns, dtype=torch.long, device=device)
         next_pos = torch.zeros(capacity, dtype=torch.long, device=device)
         for batch, index, dst, src, w in moves:

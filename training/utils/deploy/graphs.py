@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from training.utils.deploy.decode import KVBatch, _SlotLayer, next_power_of_two
+from training.utils.deploy.decode import KVBatch, SlotLayer, next_power_of_two
 
 _MIN_COLUMNS = 64
 """Smallest column bucket: short contexts share one graph."""
@@ -34,7 +34,7 @@ class _ColumnLayer(DynamicLayer):
     """One layer of a static step: writes the new keys/values at column `write_col` of the first
     `rows` slots and returns the first `columns` columns of them."""
 
-    def __init__(self, slot: _SlotLayer, rows: int, columns: int, write_col: torch.Tensor):
+    def __init__(self, slot: SlotLayer, rows: int, columns: int, write_col: torch.Tensor):
         super().__init__()
         self.keys_view = slot.keys_buf[:rows, :, :columns]
         self.values_view = slot.values_buf[:rows, :, :columns]
@@ -95,10 +95,7 @@ class DecodeSteps:
             graph.replay()
             self.stats["graph_replays"] += 1
             logits = self.logits
-        batch.length = L + 1
-        for layer in batch.layers:
-            layer.length = L + 1
-            layer._refresh_views()
+        batch.set_length(L + 1)
         batch.next_pos[:B] += 1
         return logits[:B]
 
