@@ -56,7 +56,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--latency-scale", type=float, default=1.0,
                    help="mean simulated latency as a multiple of the measured train time per step")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--only", nargs="*", default=None, help="run only these variants")
+    p.add_argument("--only", nargs="*", default=None, choices=list(VARIANTS), metavar="VARIANT",
+                   help=f"run only these variants, of: {', '.join(VARIANTS)}")
     return p.parse_args()
 
 
