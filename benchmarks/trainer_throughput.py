@@ -62,7 +62,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile-layers", action="store_true", help="TrainerConfig.compile_layers")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: known GPUs)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    unknown = set(args.layouts.split(",")) - {"padded", "packed"}
+    if unknown:
+        parser.error(f"--layouts takes padded and/or packed, got {sorted(unknown)}")
+    return args
 
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
