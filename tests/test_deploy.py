@@ -20,6 +20,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from engine_support import greedy_and_sampled
 from training.utils.config import DeploymentConfig
 from training.utils.deploy import (
     DiskWeightSync,
@@ -1027,19 +1028,8 @@ def test_engine_greedy_and_logprobs_with_each_decode_step(tiny, decode_steps):
     prompts = [torch.randint(4, 260, (int(n),), generator=g).tolist() for n in torch.randint(1, 41, (9,), generator=g)]
     max_tokens = [int(n) for n in torch.randint(1, 26, (9,), generator=g)]
 
-    async def main():
-        engine = Engine(copy.deepcopy(model), tok, DeploymentConfig(max_batch_requests=4, decode_steps=decode_steps))
-        try:
-            greedy = await asyncio.gather(
-                *[engine.generate(p, max_tokens=n, temperature=0) for p, n in zip(prompts, max_tokens)]
-            )
-            sampled = await asyncio.gather(*[engine.generate(p, max_tokens=12, temperature=0.7, seed=i)
-                                             for i, p in enumerate(prompts[:4])])
-        finally:
-            engine.close()
-        return greedy, sampled, dict(engine.stats)
-
-    greedy, sampled, stats = asyncio.run(main())
+    cfg = DeploymentConfig(max_batch_requests=4, decode_steps=decode_steps)
+    greedy, sampled, stats = greedy_and_sampled(model, tok, cfg, prompts, max_tokens, sampled_rows=4, sampled_tokens=12)
     for prompt, n, (c,) in zip(prompts, max_tokens, greedy):
         assert c.output_ids == greedy_reference(model, prompt, n)
     for prompt, (c,) in zip(prompts, sampled):

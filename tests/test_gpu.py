@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from engine_support import greedy_and_sampled
 from training.utils.config import DeploymentConfig, TrainerConfig
 from training.utils.deploy import Engine
 from training.utils.model import load_model_and_tokenizer
@@ -54,18 +55,9 @@ def test_captured_decode_steps_match_generate_and_the_trainer():
     model, tok = tiny_on_cuda()
     prompts, max_tokens = random_prompts(40, seed=0)
 
-    async def main():
-        engine = Engine(copy.deepcopy(model), tok, DeploymentConfig(max_batch_requests=16, decode_steps="graphs"))
-        try:
-            greedy = await asyncio.gather(*[engine.generate(p, max_tokens=n, temperature=0)
-                                            for p, n in zip(prompts, max_tokens)])
-            sampled = await asyncio.gather(*[engine.generate(p, max_tokens=40, temperature=0.7, seed=i)
-                                             for i, p in enumerate(prompts[:16])])
-        finally:
-            engine.close()
-        return greedy, sampled, dict(engine.stats)
-
-    greedy, sampled, stats = asyncio.run(main())
+    cfg = DeploymentConfig(max_batch_requests=16, decode_steps="graphs")
+    greedy, sampled, stats = greedy_and_sampled(model, tok, cfg, prompts, max_tokens, sampled_rows=16,
+                                                sampled_tokens=40)
     for prompt, n, (c,) in zip(prompts, max_tokens, greedy):
         assert c.output_ids == generate_greedy(model, prompt, n)
     for prompt, (c,) in zip(prompts, sampled):
