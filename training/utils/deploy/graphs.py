@@ -12,8 +12,10 @@ once. A graph fixes every shape and address it touches, so a step here:
 - writes the new keys/values with `index_copy_` at that column and attends under a
   prepared 4D mask (transformers passes a 4D mask through as it is, so no mask-building
   code with host syncs runs inside the capture).
-Columns past L are masked; the spare rows attend to their own new column only, so every
-row's softmax is over at least one column and nothing turns NaN.
+Columns past L are masked. Each spare row's new column is unmasked too, so every row's
+softmax covers at least one column and nothing turns NaN. A spare row may also see stale
+columns of an earlier occupant: its token is thrown away, and whatever it writes is
+overwritten before a live row reads it.
 
 Without `capture` (CPUs) the same static step runs eagerly; the tests hold it to
 `KVBatch.decode`. Sampling stays outside the graph: it needs per-request generators.
@@ -81,7 +83,7 @@ class DecodeSteps:
         batch.ensure_capacity(L + 1)
         rows = min(next_power_of_two(B), batch.row_capacity, len(self.tokens))
         columns = min(max(next_power_of_two(L + 1), _MIN_COLUMNS), batch.column_capacity)
-        # Live rows get their new column; spare rows attend to theirs alone (finite, discarded).
+        # Live rows get their new column; spare rows too, so none of them softmaxes over nothing.
         batch.mask_buf[:rows, L] = 1
         self.tokens[:B].copy_(tokens_B)
         self.write_col.fill_(L)
