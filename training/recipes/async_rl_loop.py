@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -48,7 +47,7 @@ from pydantic import Field, model_validator
 from training.utils import distributed
 from training.utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from training.utils.config import RLConfig
-from training.utils.deploy import Deployment, start_deployment
+from training.utils.deploy import Deployment
 from training.utils.errors import ConfigError
 from training.utils.logging import RunHealth, RunLogger
 from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS
@@ -64,10 +63,11 @@ from training.utils.rl.async_rl import (
     make_draw_fn,
 )
 from training.utils.rl.async_rl.telemetry import perf_metrics, version_offset_metrics
+from training.utils.rl.dataset import read_jsonl
 from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
 from training.utils.rl.rollout.invoke import context_params
 from training.utils.rl.rollout.types import Datum, PromptGroup, RolloutSetup
-from training.utils.rl.setup import make_rollout_setup, maybe_evaluate, setup_trainers, start_agent_shim
+from training.utils.rl.setup import deploy_policy, make_rollout_setup, maybe_evaluate, setup_trainers, start_agent_shim
 from training.utils.rl.train_step import anchor_and_reference, make_loss_fn, ppo_update
 from training.utils.trainer import Trainer
 
@@ -168,10 +168,7 @@ async def run(
     if not distributed.is_main():
         worker.follow()
         return distributed.broadcast_object(control=True)  # rank 0's summary
-    deployment = await start_deployment(
-        await worker.run(policy.model_for_inference), tokenizer, cfg.deployment, model_name=cfg.model,
-        sampling_timeout_s=cfg.sampling.timeout_s,
-    )
+    deployment = await deploy_policy(cfg, worker, policy, tokenizer)
     logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress,
                        wandb_project=cfg.wandb_project, config=cfg.model_dump())
     health = RunHealth()
@@ -245,7 +242,7 @@ async def run(
         if shim is not None:
             await shim.close()
         await deployment.close()
-    (log.warning if health.first_step else log.info)(health.summary_text())
+    health.report()
     newest = latest_checkpoint(cfg.log_path)
     summary = {
         "steps": step,
@@ -269,8 +266,7 @@ async def run(
 def read_rows(dataset_path: str | None) -> list[dict[str, Any]]:
     if dataset_path is None:
         raise ConfigError("main() got no rows and cfg.dataset_path is None; pass rows=... or set dataset_path")
-    with open(dataset_path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(dataset_path)
 
 
 def planned_steps(cfg: Config, num_rows: int) -> int:

@@ -36,7 +36,6 @@ from pydantic import Field
 
 from training.utils import distributed
 from training.utils.config import RLConfig
-from training.utils.deploy import start_deployment
 from training.utils.errors import CircuitBreakerError
 from training.utils.logging import RunHealth, RunLogger
 from training.utils.rl.async_rl import TrainerWorker
@@ -45,7 +44,7 @@ from training.utils.rl.dataset import RowCursor, RowItem
 from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
 from training.utils.rl.rollout.invoke import context_params, gather_or_cancel, run_draw
 from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
-from training.utils.rl.setup import make_rollout_setup, maybe_evaluate, setup_trainers, start_agent_shim
+from training.utils.rl.setup import deploy_policy, make_rollout_setup, maybe_evaluate, setup_trainers, start_agent_shim
 from training.utils.rl.train_step import anchor_and_reference, ppo_update
 from training.utils.trainer import Trainer
 
@@ -94,10 +93,7 @@ async def run(
     if not distributed.is_main():
         worker.follow()
         return distributed.broadcast_object(control=True)  # rank 0's summary
-    deployment = await start_deployment(
-        await worker.run(policy.model_for_inference), tokenizer, cfg.deployment, model_name=cfg.model,
-        sampling_timeout_s=cfg.sampling.timeout_s,
-    )
+    deployment = await deploy_policy(cfg, worker, policy, tokenizer)
     logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress,
                        wandb_project=cfg.wandb_project, config=cfg.model_dump(), new_run=True)
     health = RunHealth()
@@ -153,7 +149,7 @@ async def run(
         if shim is not None:
             await shim.close()  # before the deployment it samples from
         await deployment.close()
-    (log.warning if health.first_step else log.info)(health.summary_text())
+    health.report()
     summary = {
         "steps": total_steps,
         "version": deployment.version,

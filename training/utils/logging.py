@@ -324,6 +324,10 @@ class RunHealth:
             for name in self.first_step
         }
 
+    def report(self) -> None:
+        """Log `summary_text()` at the end of a run: a warning if any flag fired."""
+        (log.warning if self.first_step else log.info)(self.summary_text())
+
     def summary_text(self) -> str:
         if not self.first_step:
             return "run health: no red flags"

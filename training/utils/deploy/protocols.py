@@ -90,19 +90,22 @@ def _finish_reason(reason: Any) -> str:
     return FINISH_REASONS[reason]
 
 
-def _token_id_completions_body(model, prompt_ids, n, sampling, *, top_k: int) -> dict:
-    """An OpenAI `/v1/completions` body with a token-id prompt, asking for sampled token ids and logprobs."""
-    body = {
+def _completions_body(model, prompt_ids, n, sampling, *, logprobs: int) -> dict:
+    """The standard fields of an OpenAI `/v1/completions` body with a token-id prompt."""
+    return {
         "model": model,
         "prompt": prompt_ids,
         "n": n,
         "max_tokens": sampling["max_tokens"],
         "temperature": sampling["temperature"],
         "top_p": sampling["top_p"],
-        "top_k": top_k,
-        "logprobs": 0,
-        "return_token_ids": True,
+        "logprobs": logprobs,
     }
+
+
+def _token_id_completions_body(model, prompt_ids, n, sampling, *, top_k: int) -> dict:
+    """A `/v1/completions` body that also asks for the sampled token ids (vLLM's `return_token_ids`)."""
+    body = _completions_body(model, prompt_ids, n, sampling, logprobs=0) | {"top_k": top_k, "return_token_ids": True}
     return _optional_fields(body, sampling, ("stop", "stop_token_ids", "seed", "user"))
 
 
@@ -188,16 +191,9 @@ class OpenAIProtocol(VLLMProtocol):
     name = "openai"
 
     def request_body(self, model, prompt_ids, n, sampling):
-        body = {
-            "model": model,
-            "prompt": prompt_ids,
-            "n": n,
-            "max_tokens": sampling["max_tokens"],
-            "temperature": sampling["temperature"],
-            "top_p": sampling["top_p"],
-            "logprobs": 1,  # the legacy API's smallest value every server accepts
-        }
-        # Non-standard fields only when asked for, so a strict server sees a standard request.
+        # logprobs=1: the legacy API's smallest value every server accepts. Non-standard fields only
+        # when asked for, so a strict server sees a standard request.
+        body = _completions_body(model, prompt_ids, n, sampling, logprobs=1)
         return _optional_fields(body, sampling, ("top_k", "stop", "stop_token_ids", "seed", "user"))
 
     def _output_ids(self, choice: dict, logprobs: dict, n_prompt: int) -> list[int]:

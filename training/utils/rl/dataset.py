@@ -1,4 +1,4 @@
-"""Deterministic, resumable iteration over dataset rows.
+"""Dataset rows: JSONL files, and deterministic, resumable iteration over rows.
 
 Each epoch visits every row once in an order shuffled from `(seed, epoch)`, so the
 whole position is two integers (`epoch`, `position`) that a checkpoint can store.
@@ -6,12 +6,26 @@ whole position is two integers (`epoch`, `position`) that a checkpoint can store
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from training.utils.errors import ConfigError
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """One row per non-blank line."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    """One row per line; creates the parent directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 @dataclass(frozen=True)

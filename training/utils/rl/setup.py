@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from training.utils.config import RLConfig
-from training.utils.deploy import Deployment, EmbeddedDeployment
+from training.utils.deploy import Deployment, EmbeddedDeployment, start_deployment
 from training.utils.errors import ConfigError
 from training.utils.logging import RunLogger
 from training.utils.model import default_device, load_model_and_tokenizer
@@ -34,6 +34,12 @@ def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference 
     if cfg.kl_beta > 0 and lora:
         reference = policy.adapter_disabled_reference()
     return policy, reference, tokenizer
+
+
+async def deploy_policy(cfg: RLConfig, worker, policy: Trainer, tokenizer) -> Deployment:
+    """`cfg.deployment` started on (a copy of) the policy's weights, exported on the trainer's `worker`."""
+    return await start_deployment(await worker.run(policy.model_for_inference), tokenizer, cfg.deployment,
+                                  model_name=cfg.model, sampling_timeout_s=cfg.sampling.timeout_s)
 
 
 def rollout_sample_kwargs(cfg: RLConfig) -> dict[str, Any]:

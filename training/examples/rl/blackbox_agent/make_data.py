@@ -12,11 +12,11 @@ same files.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 
 from training.examples.rl.blackbox_agent.reward import ANSWER_FILE
+from training.utils.rl.dataset import read_jsonl, write_jsonl
 
 DATA_DIR = Path(__file__).parent / "data"
 TASK_TEMPLATE = (
@@ -57,15 +57,6 @@ def make_rows(count: int, seed: int, split: str) -> list[dict]:
             "answer": str(answer),
         })
     return rows
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def write_default_files(train_rows: int = 256, eval_rows: int = 32, seed: int = 0) -> None:

@@ -11,9 +11,10 @@ there is room to learn. The same seed writes the same files.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
+
+from training.utils.rl.dataset import read_jsonl, write_jsonl
 
 DATA_DIR = Path(__file__).parent / "data"
 INSTRUCTION = "Put the final answer within \\boxed{}."
@@ -89,15 +90,6 @@ def make_rows(count: int, seed: int, split: str) -> list[dict]:
             "answer": str(answer),
         })
     return rows
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def load_split(split: str) -> list[dict]:

@@ -16,9 +16,10 @@ from the other pairs only, so eval measures pairs never trained on.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
+
+from training.utils.rl.dataset import write_jsonl
 
 HERE = Path(__file__).resolve().parent
 OPERANDS = range(1, 10)
@@ -52,13 +53,6 @@ def make_row(tokenizer, split: str, index: int, a: int, b: int) -> dict:
         "answer": expected_reply(a, b),
         "prompt": prompt,
     }
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
 
 
 def main(argv=None) -> None:

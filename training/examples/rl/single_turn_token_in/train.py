@@ -12,13 +12,14 @@ from pathlib import Path
 from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn
 from training.recipes.async_rl_loop import Config, main
 from training.utils.config import SamplingConfig, TrainerConfig
+from training.utils.rl.dataset import read_jsonl
 from training.utils.rl.evaluation import rollout_evaluation
 
 DATA = Path(__file__).resolve().parent / "data"
 
 
 def read_rows(name: str) -> list[dict]:
-    return [json.loads(line) for line in (DATA / name).read_text().splitlines() if line.strip()]
+    return read_jsonl(DATA / name)
 
 
 cfg = Config(
