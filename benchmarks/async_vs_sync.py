@@ -37,10 +37,10 @@ from training.recipes import async_rl_loop, rl_loop
 from training.utils.config import SamplingConfig, TrainerConfig
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.rollout.types import Datum, sample_from_completion
-from training.utils.rl.train_step import anchor_and_reference, ppo_update
+from training.utils.rl.rollout.types import sample_from_completion
+from training.utils.rl.train_step import train_batch
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
-from training.utils.trainer import Trainer
+from training.utils.trainer import Datum, Trainer
 
 
 def parse_args() -> argparse.Namespace:
@@ -93,8 +93,7 @@ def calibrate_train_time(model_dir: str, args) -> float:
     times = []
     for _ in range(6):
         start = time.perf_counter()
-        extras, _ = anchor_and_reference(policy, None, datums, cfg)
-        ppo_update(policy, datums, extras, cfg, np.random.default_rng(0))
+        train_batch(policy, None, datums, cfg, np.random.default_rng(0))
         times.append(time.perf_counter() - start)
     # The fastest repeat: on a shared machine a busy moment only ever makes a repeat slower.
     return min(times[1:])

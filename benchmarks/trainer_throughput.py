@@ -28,8 +28,7 @@ import torch
 
 from training.utils.config import TrainerConfig
 from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer
-from training.utils.rl.rollout.types import Datum
-from training.utils.trainer import MicroBatch, Trainer, weight_dtype
+from training.utils.trainer import Datum, MicroBatch, Trainer, weight_dtype
 
 SHAPES = {
     # SmolLM2-135M-Instruct's architecture.

@@ -26,7 +26,8 @@ from shim_support import (
     trained_tokens,
 )
 from training.utils.config import AgentShimConfig, RLConfig
-from training.utils.rl.agent.chat_format import ChatRequest, tools_system_text
+from training.utils.rl.agent.chat_request import ChatRequest
+from training.utils.rl.agent.hermes import tools_system_text
 
 CALL_TEXT = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'
 ANTHROPIC_TOOLS = [
@@ -227,7 +228,7 @@ def test_recorded_turns_are_what_the_deployment_sampled_with_trainer_sampling(ti
 
 
 def test_retry_of_a_turn_becomes_a_branch_trained_once(tiny):
-    """Case 26: NEW, APPEND, then the same request again: WIPE with the shared node as parent."""
+    """NEW, APPEND, then the same request again: WIPE with the shared node as parent."""
     _, tok = tiny
 
     async def scenario():
@@ -257,7 +258,7 @@ def test_retry_of_a_turn_becomes_a_branch_trained_once(tiny):
 
 
 def test_compaction_and_auxiliary_calls(tiny):
-    """Case 25 at the server: task, append, tool-less title (auxiliary), compaction, append, summary."""
+    """One session through the server: task, append, tool-less title (auxiliary), compaction, append, summary."""
     _, tok = tiny
 
     async def scenario():

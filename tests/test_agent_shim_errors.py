@@ -162,7 +162,7 @@ def test_models_and_health_endpoints(tiny):
 
 
 def test_failed_start_resets_and_a_second_start_works(tiny):
-    """Case 28."""
+    """A start on a taken port fails and leaves the shim as it was; a second start works."""
     model, tok = tiny
 
     async def scenario():
@@ -192,7 +192,7 @@ def test_failed_start_resets_and_a_second_start_works(tiny):
 
 
 def test_sse_streams_are_well_formed(tiny):
-    """Case 29: event order of both stream formats, read off the wire."""
+    """Event order of both stream formats, read off the wire."""
 
     async def scenario():
         async with shim_stack(tiny) as (shim, _):
@@ -221,7 +221,7 @@ def test_sse_streams_are_well_formed(tiny):
 
 
 def test_parser_fallback_keeps_the_sampled_tokens(tiny):
-    """Case 32: unparseable tool-call markup is returned as raw text; its tokens and logprobs are trained."""
+    """Unparseable tool-call markup is returned as raw text; its tokens and logprobs are trained."""
     _, tok = tiny
     broken = '<tool_call>\n{"name": read_file\n</tool_call>'
 
@@ -246,7 +246,7 @@ def test_parser_fallback_keeps_the_sampled_tokens(tiny):
 
 
 def test_a_misaligned_sampler_answer_is_a_503_integrity_failure(tiny):
-    """Case 33: wrong prompt echo, misaligned logprobs, empty output: 503, counted, nothing recorded."""
+    """Wrong prompt echo, misaligned logprobs, empty output: 503, counted, nothing recorded."""
     breakers = [
         lambda c: dataclasses.replace(c, prompt_ids=c.prompt_ids[:-1]),
         lambda c: dataclasses.replace(c, logprobs=c.logprobs[:-1]),
@@ -274,7 +274,7 @@ def test_a_misaligned_sampler_answer_is_a_503_integrity_failure(tiny):
 
 
 def test_sampler_timeout_or_outage_is_a_503_without_integrity_flag(tiny):
-    """Case 34."""
+    """A sampler timeout or outage is a 503 counted as a sampling failure, not an integrity failure."""
 
     async def scenario():
         async with shim_stack(tiny, request_timeout_s=0.3) as (shim, spy):
@@ -301,7 +301,7 @@ def test_sampler_timeout_or_outage_is_a_503_without_integrity_flag(tiny):
 
 
 def test_recording_failures(tiny, monkeypatch):
-    """Case 35: a failure while staging the record is a 503 and records nothing; a failure after the reply
+    """A failure while staging the record is a 503 and records nothing; a failure after the reply
     was delivered cannot be a 503, so the session's trace has a hole and finish_session raises."""
 
     async def scenario():
@@ -329,7 +329,7 @@ def test_recording_failures(tiny, monkeypatch):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_gone_before_the_reply_records_nothing(tiny, stream):
-    """Case 36, first half: the agent disconnects while its turn is being sampled."""
+    """The agent disconnects while its turn is being sampled."""
 
     async def scenario():
         async with shim_stack(tiny) as (shim, spy):
@@ -352,7 +352,7 @@ def test_client_gone_before_the_reply_records_nothing(tiny, stream):
 
 
 def test_client_gone_after_the_content_records_the_turn(tiny):
-    """Case 36, second half: the agent read the content events, then dropped the stream."""
+    """The agent read the content events, then dropped the stream."""
 
     async def scenario():
         async with shim_stack(tiny) as (shim, spy):
@@ -373,7 +373,7 @@ def test_client_gone_after_the_content_records_the_turn(tiny):
 
 
 def test_requests_queued_behind_finish_session_get_401(tiny):
-    """Case 37: the request in flight completes and is recorded; the one queued behind it is refused."""
+    """The request in flight completes and is recorded; the one queued behind it is refused."""
 
     async def scenario():
         async with shim_stack(tiny) as (shim, spy):

@@ -13,16 +13,16 @@ from training.utils.errors import CircuitBreakerError, ConfigError, RecoverableR
 from training.utils.rl.async_rl import (
     BatchCoordinator,
     CircuitBreaker,
-    DurableRowSource,
     OffPolicyGate,
     RolloutProducer,
     RolloutStallError,
     balanced_chunk_targets,
 )
-from training.utils.rl.async_rl.telemetry import version_offset_metrics
+from training.utils.rl.dataset import DurableRowSource
 from training.utils.rl.groups import build_groups
 from training.utils.rl.rollout.invoke import DrawResult
 from training.utils.rl.rollout.types import RolloutRun, sample_from_completion
+from training.utils.rl.telemetry import version_offset_metrics
 
 ROWS = [{"id": f"r{i}"} for i in range(12)]
 
@@ -65,7 +65,7 @@ def build(settled):
     return (groups[0], "accepted") if groups else (None, "dropped")
 
 
-# G, P, O, C, K are the symbols of DESIGN.md §4.2, hence the single-letter names.
+# G, P, O, C, K are the symbols of skills/dev/references/rl/async-rl.md §3, hence the single-letter names.
 def make(G=2, P=2, O=0, C=None, K=1, retries=0, min_group_size=2, total_rows=None, staleness=None,  # noqa: E741
          synchronous=False, stall_timeout_s=30.0, max_call_wait_s=30.0, rows=ROWS, max_batches=None):
     script = ScriptedDraws()

@@ -43,7 +43,7 @@ from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
 from training.utils.errors import ConfigError, RecoverableRolloutError
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.agent.chat_format import tools_system_text
+from training.utils.rl.agent.hermes import tools_system_text
 from training.utils.rl.rollout.types import RolloutSetup
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
 import threading
 import time
 from unittest.mock import patch
@@ -30,6 +29,7 @@ from training.utils.deploy import (
     start_deployment,
     start_embedded_deployment,
 )
+from training.utils.deploy.completion import InvalidRequestError
 from training.utils.deploy.decode import (
     KVBatch,
     SamplingParams_B,
@@ -934,25 +934,40 @@ def test_close_aborts_inflight_requests(tiny):
 
 
 def test_response_json_shape(tiny):
+    """Every field of a seeded n=2 response holds what the request determines: the engine's own
+    seeded completions, the trainer's logprobs of them, their decoded text and token offsets."""
     model, tok = tiny
+    prompt = [5, 6, 7]
 
     async def main():
         async with deployed(model, tok) as dep, aiohttp.ClientSession() as s:
-            body = {"model": MODEL_NAME, "prompt": [[5, 6, 7]], "max_tokens": 3, "logprobs": 1, "n": 2, "seed": 3}
+            body = {"model": MODEL_NAME, "prompt": [prompt], "max_tokens": 3, "logprobs": 1, "n": 2, "seed": 3}
             async with s.post(dep.base_url + "/v1/completions", json=body) as r:
-                return r.status, await r.json()
+                status, data = r.status, await r.json()
+            expected = await dep.engine.generate(prompt, n=2, max_tokens=3, seed=3)
+            return status, data, expected
 
-    status, body = asyncio.run(main())
+    status, body, expected = asyncio.run(main())
     assert status == 200
     assert body["object"] == "text_completion" and body["model"] == MODEL_NAME and body["id"].startswith("cmpl-")
+    assert isinstance(body["created"], int) and body["prompt_token_ids"] == prompt
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
     assert [c["index"] for c in body["choices"]] == [0, 1]
-    for choice in body["choices"]:
+    ids = [choice["token_ids"] for choice in body["choices"]]
+    assert ids == [c.output_ids for c in expected]  # seed 3 and seed 4, in index order
+    assert ids[0] != ids[1]
+    for choice, want in zip(body["choices"], expected, strict=True):
+        assert len(choice["token_ids"]) == 3 and choice["finish_reason"] == "length"  # EOS is never likely here
+        assert choice["stop_reason"] is None and choice["prompt_token_ids"] == prompt
+        assert choice["token_versions"] == [0, 0, 0]
+        assert choice["text"] == want.text == tok.decode(choice["token_ids"], skip_special_tokens=True)
         lp = choice["logprobs"]
-        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(choice["token_ids"])
+        assert lp["tokens"] == [tok.decode([t]) for t in choice["token_ids"]]
+        assert lp["text_offset"] == [0, len(lp["tokens"][0]), len(lp["tokens"][0]) + len(lp["tokens"][1])]
         assert lp["top_logprobs"] is None
-        assert choice["token_versions"] == [0] * len(choice["token_ids"])
-    assert body["usage"]["prompt_tokens"] == 3
-    json.dumps(body)
+        assert lp["token_logprobs"] == pytest.approx(want.logprobs)
+        reference = trainer_logprobs(model, prompt, choice["token_ids"], temperature=1.0)
+        torch.testing.assert_close(torch.tensor(lp["token_logprobs"]), reference, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------- static decode steps
@@ -1058,3 +1073,10 @@ def test_the_static_step_traces_as_one_graph_without_host_syncs(tiny):
         eager = steps._forward(batch, 2, 64).clone()
         traced = torch.compile(steps._forward, fullgraph=True, backend="eager")(batch, 2, 64)
     assert (traced - eager).abs().max() < 1e-5
+
+
+def test_invalid_request_error_pickles_with_its_param():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(InvalidRequestError("n must be >= 1", "n")))
+    assert (type(error), str(error), error.param) == (InvalidRequestError, "n must be >= 1", "n")

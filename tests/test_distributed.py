@@ -62,7 +62,7 @@ def make_lora_policy(seed: int = 0):
 
 
 def make_datums(seed: int = 1):
-    from training.utils.rl.rollout.types import Datum
+    from training.utils.trainer import Datum
 
     generator = torch.Generator().manual_seed(seed)
     datums = []
@@ -171,13 +171,16 @@ def child(scenario: str, out: Path) -> None:
     from training.recipes import async_rl_loop, rl_loop
 
     if scenario == "rl_loop":
-        summary = rl_loop.main(recipe_cfg(rl_loop, out / "run"), scripted_rollout_factory(), ROWS)
+        summary = rl_loop.main(recipe_cfg(rl_loop, out / "run"), rollout_fn_factory=scripted_rollout_factory(),
+                               rows=ROWS)
     elif scenario == "rl_loop_fail":
-        summary = rl_loop.main(recipe_cfg(rl_loop, out / "run"), scripted_rollout_factory(fail_at_call=12), ROWS)
+        summary = rl_loop.main(recipe_cfg(rl_loop, out / "run"),
+                               rollout_fn_factory=scripted_rollout_factory(fail_at_call=12), rows=ROWS)
     elif scenario == "rl_loop_rank1_fail":
         if os.environ["RANK"] == "1":
             fail_optimizer_step(at_step=2)
-        summary = rl_loop.main(recipe_cfg(rl_loop, out / "run"), scripted_rollout_factory(), ROWS)
+        summary = rl_loop.main(recipe_cfg(rl_loop, out / "run"), rollout_fn_factory=scripted_rollout_factory(),
+                               rows=ROWS)
     elif scenario == "async_rl_loop":
         summary = async_rl_loop.main(async_cfg(out / "run"), rollout_fn_factory=scripted_rollout_factory(), rows=ROWS)
     else:
@@ -406,7 +409,7 @@ def test_bf16_autocast_under_torchrun_gathers_bf16_and_keeps_fp32_shards(tmp_pat
 
 def test_a_trainer_call_names_each_rank_own_objects():
     """What `TrainerWorker` sends rank 1: registered objects by name, anything else by value."""
-    from training.utils.rl.async_rl import TrainerWorker
+    from training.utils.rl.worker import TrainerWorker
 
     rank0, rank1 = TrainerWorker(policy=["rank 0"], reference=None), TrainerWorker(policy=["rank 1"], reference=None)
     fn, args, kwargs = rank1.decode_call(rank0.encode_call((list.extend, (rank0._objects["policy"], [7]), {})))
@@ -441,7 +444,8 @@ def test_rl_loop_under_torchrun_matches_one_process(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     summaries = [json.loads((tmp_path / "two" / f"summary-{r}.json").read_text()) for r in (0, 1)]
     assert summaries[0] == summaries[1]  # every rank returns rank 0's summary
-    mine = rl_loop.main(recipe_cfg(rl_loop, tmp_path / "one" / "run"), scripted_rollout_factory(), ROWS)
+    mine = rl_loop.main(recipe_cfg(rl_loop, tmp_path / "one" / "run"), rollout_fn_factory=scripted_rollout_factory(),
+                        rows=ROWS)
     two, one = ledger_by_step(summaries[0]), ledger_by_step(mine)
     assert sorted(two) == sorted(one) == [1, 2, 3]
     for step in one:

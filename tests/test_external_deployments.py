@@ -22,16 +22,12 @@ from safetensors.torch import load_file
 
 from training.utils.config import DeploymentConfig, RLConfig
 from training.utils.deploy import ExternalDeployment, Sampler, start_deployment
-from training.utils.deploy.external import (
-    SGLANG_GROUP_NAME,
-    NCCLBroadcaster,
-    SGLangWeightSync,
-    VLLMWeightSync,
-    connect_external_deployment,
-)
-from training.utils.deploy.protocols import PROTOCOLS
+from training.utils.deploy.external import SERVER_KINDS, connect_external_deployment
+from training.utils.deploy.nccl import NCCLBroadcaster
+from training.utils.deploy.sglang import WEIGHT_SYNC_GROUP_NAME, SGLangWeightSync
+from training.utils.deploy.vllm import VLLMWeightSync
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
-from training.utils.rl.setup import make_rollout_setup
+from training.utils.rl.wiring import make_rollout_setup
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
 
 PROMPT = [1, 2, 3]
@@ -166,21 +162,21 @@ OPENAI_TOKEN_ID_COMPLETION = {
 
 
 def test_vllm_choices_parse_in_index_order_with_ids_logprobs_and_finish_reasons():
-    a, b = PROTOCOLS["vllm"].parse(VLLM_COMPLETION, PROMPT)
+    a, b = SERVER_KINDS["vllm"].protocol.parse(VLLM_COMPLETION, PROMPT)
     assert (a.output_ids, a.logprobs, a.finish_reason, a.text) == ([10, 11, 12], [-1.0, -2.0, -3.0], "length", " a c d")
     assert (b.output_ids, b.logprobs, b.finish_reason) == ([20, 2], [-0.5, -0.25], "stop")
     assert a.versions == [-1, -1, -1] and a.prompt_ids == PROMPT  # vLLM reports no version per request
 
 
 def test_vllm_echoed_prompt_layout_keeps_only_the_output_logprobs():
-    (c,) = PROTOCOLS["vllm"].parse(VLLM_ECHO_COMPLETION, PROMPT)
+    (c,) = SERVER_KINDS["vllm"].protocol.parse(VLLM_ECHO_COMPLETION, PROMPT)
     assert c.output_ids == [30, 31]
     assert c.logprobs == [-0.1, -0.2]  # not the prompt's [None, -4.0, -5.0]
     assert c.prompt_ids == PROMPT
 
 
 def test_vllm_malformed_responses_raise_clear_errors():
-    proto = PROTOCOLS["vllm"]
+    proto = SERVER_KINDS["vllm"].protocol
     no_ids = {"choices": [dict(VLLM_COMPLETION["choices"][0], token_ids=None)]}
     with pytest.raises(DeploymentError, match="no choices\\[\\].token_ids.*return_token_ids"):
         proto.parse(no_ids, PROMPT)
@@ -198,7 +194,7 @@ def test_vllm_malformed_responses_raise_clear_errors():
 
 
 def test_sglang_batch_parses_triples_finish_reason_objects_and_weight_version():
-    a, b = PROTOCOLS["sglang"].parse(SGLANG_GENERATE, PROMPT)
+    a, b = SERVER_KINDS["sglang"].protocol.parse(SGLANG_GENERATE, PROMPT)
     assert (a.output_ids, a.logprobs, a.finish_reason, a.versions) == ([40, 41], [-0.75, -1.5], "length", [7, 7])
     assert (b.output_ids, b.logprobs, b.finish_reason) == ([42, 0], [-0.5, -0.125], "stop")
     assert a.prompt_ids == PROMPT and a.text == " a b"
@@ -216,26 +212,26 @@ def test_sglang_batch_parses_triples_finish_reason_objects_and_weight_version():
 )
 def test_sglang_finish_reasons_map_to_ours(reason, expected):
     entry = dict(SGLANG_GENERATE[0], meta_info=dict(SGLANG_GENERATE[0]["meta_info"], finish_reason=reason))
-    (c,) = PROTOCOLS["sglang"].parse(entry, PROMPT)  # a single prompt answers one object
+    (c,) = SERVER_KINDS["sglang"].protocol.parse(entry, PROMPT)  # a single prompt answers one object
     assert c.finish_reason == expected
 
 
 def test_sglang_default_weight_version_is_unknown_and_malformed_entries_raise():
     meta = dict(SGLANG_GENERATE[0]["meta_info"], weight_version="default")
-    (c,) = PROTOCOLS["sglang"].parse(dict(SGLANG_GENERATE[0], meta_info=meta), PROMPT)
+    (c,) = SERVER_KINDS["sglang"].protocol.parse(dict(SGLANG_GENERATE[0], meta_info=meta), PROMPT)
     assert c.versions == [-1, -1]
     disagree = dict(SGLANG_GENERATE[0], output_ids=[40, 99])
     with pytest.raises(DeploymentError, match="output_ids disagree"):
-        PROTOCOLS["sglang"].parse(disagree, PROMPT)
+        SERVER_KINDS["sglang"].protocol.parse(disagree, PROMPT)
     null = dict(SGLANG_GENERATE[0], meta_info=dict(meta, output_token_logprobs=[[None, 40, None]]))
     with pytest.raises(DeploymentError, match="null logprob"):
-        PROTOCOLS["sglang"].parse(null, PROMPT)
+        SERVER_KINDS["sglang"].protocol.parse(null, PROMPT)
     with pytest.raises(DeploymentError, match="malformed sglang response.*meta_info"):
-        PROTOCOLS["sglang"].parse({"text": "x"}, PROMPT)
+        SERVER_KINDS["sglang"].protocol.parse({"text": "x"}, PROMPT)
 
 
 def test_openai_ids_come_from_token_ids_or_token_id_strings_and_never_from_text():
-    proto = PROTOCOLS["openai"]
+    proto = SERVER_KINDS["openai"].protocol
     (c,) = proto.parse(OPENAI_TOKEN_ID_COMPLETION, PROMPT)
     assert (c.output_ids, c.logprobs) == ([50, 51], [-0.3, -0.6])
     echoed = {"choices": [dict(OPENAI_TOKEN_ID_COMPLETION["choices"][0], logprobs={
@@ -255,13 +251,13 @@ def test_openai_ids_come_from_token_ids_or_token_id_strings_and_never_from_text(
 def test_request_bodies_per_protocol():
     sampling = {"max_tokens": 5, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "stop": ["\n"],
                 "stop_token_ids": [], "seed": 3, "user": "traj-1", "timeout": 30.0}
-    vllm = PROTOCOLS["vllm"].request_body("m", PROMPT, 2, sampling)
+    vllm = SERVER_KINDS["vllm"].protocol.request_body("m", PROMPT, 2, sampling)
     assert vllm == {"model": "m", "prompt": PROMPT, "n": 2, "max_tokens": 5, "temperature": 0.7, "top_p": 1.0,
                     "top_k": -1, "logprobs": 0, "return_token_ids": True, "stop": ["\n"], "seed": 3, "user": "traj-1"}
-    sglang = PROTOCOLS["sglang"].request_body("m", PROMPT, 2, sampling)
+    sglang = SERVER_KINDS["sglang"].protocol.request_body("m", PROMPT, 2, sampling)
     assert sglang == {"input_ids": [PROMPT, PROMPT], "return_logprob": True, "sampling_params": {
         "max_new_tokens": 5, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "stop": ["\n"], "sampling_seed": 3}}
-    openai = PROTOCOLS["openai"].request_body("m", PROMPT, 1, sampling)
+    openai = SERVER_KINDS["openai"].protocol.request_body("m", PROMPT, 1, sampling)
     assert openai == {"model": "m", "prompt": PROMPT, "n": 1, "max_tokens": 5, "temperature": 0.7, "top_p": 1.0,
                       "logprobs": 1, "stop": ["\n"], "seed": 3, "user": "traj-1"}  # no top_k=0, no timeout
 
@@ -454,7 +450,7 @@ def test_sampler_speaks_each_protocol_against_the_fake_server():
         async with fake_server() as server:
             out = {}
             for kind in ("vllm", "sglang"):
-                sampler = Sampler(server.url, "served-model", protocol=kind, backoff_s=0.01)
+                sampler = Sampler(server.url, "served-model", protocol=SERVER_KINDS[kind].protocol, backoff_s=0.01)
                 try:
                     out[kind] = await sampler.sample(PROMPT, 2, max_tokens=3, timeout=5)
                 finally:
@@ -480,7 +476,7 @@ def test_sampler_retries_5xx_then_succeeds_and_reports_4xx_detail_without_retryi
                 return (503, {"message": "loading"}) if len(calls) < 3 else (200, SGLANG_GENERATE[:1])
 
             server.routes[("POST", "/generate")] = flaky
-            sampler = Sampler(server.url, "m", protocol="sglang", max_retries=3, backoff_s=0.01)
+            sampler = Sampler(server.url, "m", protocol=SERVER_KINDS["sglang"].protocol, max_retries=3, backoff_s=0.01)
             try:
                 (c,) = await sampler.sample(PROMPT, 1, max_tokens=2, timeout=5)
                 with pytest.raises(DeploymentError, match="HTTP 400: max_new_tokens is too large") as info:
@@ -501,7 +497,7 @@ def test_sampler_retries_5xx_then_succeeds_and_reports_4xx_detail_without_retryi
 def test_sampler_raises_on_a_malformed_200_and_on_a_wrong_number_of_completions():
     async def main():
         async with fake_server() as server:
-            sampler = Sampler(server.url, "served-model", protocol="vllm", backoff_s=0.01)
+            sampler = Sampler(server.url, "served-model", protocol=SERVER_KINDS["vllm"].protocol, backoff_s=0.01)
             try:
                 server.routes[("POST", "/v1/completions")] = lambda b, q: (200, {"choices": [{"index": 0}]})
                 with pytest.raises(DeploymentError, match="malformed vllm response"):
@@ -710,14 +706,14 @@ def test_sglang_nccl_sync_request_sequence_and_broadcast_order():
                               "POST /destroy_weights_update_group"]
     assert server.bodies("/init_weights_update_group") == [{
         "master_address": "10.0.0.5", "master_port": 29555, "rank_offset": 1, "world_size": 3,
-        "group_name": SGLANG_GROUP_NAME, "backend": "nccl"}]
+        "group_name": WEIGHT_SYNC_GROUP_NAME, "backend": "nccl"}]
     assert broadcaster.joined == ("10.0.0.5", 29555, 3)
     assert server.bodies("/update_weights_from_distributed") == [{
         "names": ["model.embed_tokens.weight", "model.norm.weight"], "dtypes": ["float32", "bfloat16"],
-        "shapes": [[8, 4], [4]], "group_name": SGLANG_GROUP_NAME, "weight_version": "4"}]
+        "shapes": [[8, 4], [4]], "group_name": WEIGHT_SYNC_GROUP_NAME, "weight_version": "4"}]
     (sent,) = broadcaster.sent
     assert all(torch.equal(a, b) for a, b in zip(sent, state.values(), strict=True))
-    assert server.bodies("/destroy_weights_update_group") == [{"group_name": SGLANG_GROUP_NAME}]
+    assert server.bodies("/destroy_weights_update_group") == [{"group_name": WEIGHT_SYNC_GROUP_NAME}]
     assert sync.version == 4 and broadcaster.closed
 
 

@@ -12,9 +12,8 @@ from engine_support import greedy_and_sampled
 from training.utils.config import DeploymentConfig, TrainerConfig
 from training.utils.deploy import Engine
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.rollout.types import Datum
 from training.utils.tiny_model import tiny_config
-from training.utils.trainer import Trainer
+from training.utils.trainer import Datum, Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,13 +1,17 @@
 """Policy losses against formulas written out in each test (values and autograd gradients)."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
+from training.recipes import rl_loop
 from training.utils.config import TISConfig
 from training.utils.errors import ConfigError
-from training.utils.rl.losses import LOSS_AGG_MODES, POLICY_LOSSES, compute_policy_loss
+from training.utils.rl.losses import LOSS_AGG_MODES, POLICY_LOSSES, compute_policy_loss, register_policy_loss
+from training.utils.rl.rollout.types import sample_from_completion
 
 LN = math.log
 
@@ -428,3 +432,72 @@ def test_metrics_are_detached_masked_means():
     assert m["entropy"].item() == approx(0.5)
     assert m["pg_loss"].item() == approx(loss.item()) and m["kl_loss"].item() == 0.0
     assert "ref_kl" not in m and "tis_weight_mean" not in m and "dual_clipfrac" not in m
+
+
+# --- registering a loss ------------------------------------------------------------------
+
+
+def readme_loss_snippet() -> str:
+    """The README's `register_policy_loss` example (section "Policy losses"), as written there."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Policy losses", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.fixture
+def readme_loss():
+    """Run the README snippet (it registers `clipped_reinforce` and builds a Config); unregister after."""
+    namespace = {"Config": rl_loop.Config}
+    exec(readme_loss_snippet(), namespace)
+    yield namespace
+    POLICY_LOSSES.pop("clipped_reinforce")
+
+
+def test_the_readme_loss_is_one_function_and_one_registry_entry(readme_loss):
+    entry = POLICY_LOSSES["clipped_reinforce"]
+    assert entry.fn is readme_loss["clipped_reinforce_loss"] and entry.settings == {"adv_clip": 2.0}
+    cfg = readme_loss["cfg"]
+    assert cfg.policy_loss_settings() == {"adv_clip": 1.0}
+    # loss = −clip(A, ±c)·π, token mean: A = (3, −0.5) clipped at c = 1 to (1, −0.5); π = (−1, −2).
+    pi = leaf([[-1.0, -2.0]])
+    loss, m = compute_policy_loss("clipped_reinforce", logprobs=pi, old_logprobs=pi.detach(),
+                                  advantages=t([[3.0, -0.5]]), mask=torch.ones(1, 2, dtype=torch.bool),
+                                  **cfg.policy_loss_settings())
+    assert loss.item() == approx((-(1.0 * -1.0) - (-0.5 * -2.0)) / 2)
+    loss.backward()
+    assert pi.grad.tolist() == [[approx(-1.0 / 2), approx(0.5 / 2)]]
+    assert m["pg_clipfrac"].item() == 0.0 and m["ratio_mean"].item() == approx(1.0)
+
+
+def test_a_registered_loss_trains_through_a_recipe(readme_loss, tmp_path):
+    from training.utils.config import SamplingConfig
+
+    rows = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50]} for i in range(2)]
+
+    def factory(setup):
+        async def rollout_fn(row, sample_index):
+            (c,) = await setup.sampler.sample(row["prompt_token_ids"], **setup.sample_kwargs)
+            return sample_from_completion(row["prompt_token_ids"], c.output_ids, c.logprobs,
+                                          reward=float(sample_index % 2))
+        return rollout_fn
+
+    cfg = readme_loss["cfg"].model_copy(update=dict(
+        model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=2, max_steps=1,
+        log_path=str(tmp_path), sampling=SamplingConfig(max_tokens=3), progress=False))
+    summary = rl_loop.main(cfg, rollout_fn_factory=factory, rows=rows)
+    assert summary["steps"] == 1 and math.isfinite(summary["metrics"]["train/loss"])
+    assert summary["metrics"]["train/grad_norm"] > 0
+
+
+def test_registration_and_config_errors_name_what_is_wrong(readme_loss):
+    with pytest.raises(ValidationError, match="policy_loss_params \\['tau'\\].*takes \\['adv_clip'\\]"):
+        rl_loop.Config(policy_loss="clipped_reinforce", policy_loss_params={"tau": 1.0})
+    with pytest.raises(ValidationError, match="set the config field"):
+        rl_loop.Config(policy_loss="grpo", policy_loss_params={"eps_clip": 0.1})
+    with pytest.raises(ValidationError, match="unknown policy_loss 'ppo2'.*clipped_reinforce"):
+        rl_loop.Config(policy_loss="ppo2")
+    with pytest.raises(ConfigError, match="one positional argument"):
+        register_policy_loss("two_inputs", lambda inp, other: None)
+    with pytest.raises(ConfigError, match=r"settings \['tau'\] need defaults"):
+        register_policy_loss("no_default", lambda inp, *, tau: None)
+    assert "two_inputs" not in POLICY_LOSSES and "no_default" not in POLICY_LOSSES

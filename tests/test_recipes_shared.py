@@ -1,14 +1,19 @@
-"""What both recipes do the same way: the agent shim's counters in the step metrics, `eval_interval`."""
+"""What both recipes do the same way: main()'s signature, step count, evaluation cadence and timeout, shim counters."""
+
+import asyncio
+import inspect
+import time
 
 import pytest
-from pydantic import ValidationError
 
 from training.recipes import async_rl_loop, rl_loop
 from training.utils.config import SamplingConfig, TrainerConfig
+from training.utils.errors import ConfigError, EvaluationTimeoutError
 from training.utils.logging import read_ledger
 from training.utils.rl.rollout.types import RolloutRun, sample_from_completion
 
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(6)]
+RECIPES, RECIPE_IDS = [rl_loop, async_rl_loop], ["rl_loop", "async_rl_loop"]
 
 
 def shim_like_factory(setup):
@@ -24,7 +29,7 @@ def shim_like_factory(setup):
     return rollout_fn
 
 
-@pytest.mark.parametrize("recipe", [rl_loop, async_rl_loop], ids=["rl_loop", "async_rl_loop"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
 def test_shim_counters_are_summed_per_step_and_eval_interval_is_honoured(tmp_path, recipe):
     evaluated_steps = []
 
@@ -48,9 +53,47 @@ def test_shim_counters_are_summed_per_step_and_eval_interval_is_honoured(tmp_pat
     assert evaluated_steps == [0, 2, 3]
 
 
-@pytest.mark.parametrize("recipe", [rl_loop, async_rl_loop], ids=["rl_loop", "async_rl_loop"])
-def test_stale_evaluation_interval_names_fail(recipe):
-    with pytest.raises(ValidationError, match="evaluation_interval"):
-        recipe.Config(evaluation_interval=2)
-    with pytest.raises(TypeError, match="evaluation_interval"):
-        recipe.main(recipe.Config(), rollout_fn_factory=shim_like_factory, rows=ROWS, evaluation_interval=2)
+def test_both_mains_have_one_signature():
+    """Switching recipes is a one-line import change: the same keyword-only call works for both."""
+    signatures = [inspect.signature(recipe.main) for recipe in (rl_loop, async_rl_loop)]
+    assert signatures[0] == signatures[1]
+    params = signatures[0].parameters
+    assert list(params) == ["cfg", "rollout_fn_factory", "rows", "dynamic_filter_fn", "evaluation_fn",
+                            "rollout_extras"]
+    assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "cfg")
+    assert params["rows"].default is None
+
+
+def test_a_config_of_the_other_recipe_is_refused_by_name():
+    expected = r"rl_loop.main\(\) needs a training.recipes.rl_loop.Config, got training.recipes.async_rl_loop.Config"
+    with pytest.raises(ConfigError, match=expected):
+        rl_loop.main(async_rl_loop.Config(), rollout_fn_factory=shim_like_factory, rows=ROWS)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_step_count_and_partial_last_batch_agree(tmp_path, recipe):
+    """10 rows, P=4, one epoch: 3 steps in both recipes, the last one training the 2 rows left."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(10)]
+    extra = {"max_head_offpolicy_versions": 0} if recipe is async_rl_loop else {}
+    cfg = recipe.Config(model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=4,
+                        log_path=str(tmp_path / "run"), sampling=SamplingConfig(max_tokens=4), progress=False,
+                        **extra)
+    summary = recipe.main(cfg, rollout_fn_factory=shim_like_factory, rows=rows)
+    steps = [r for r in read_ledger(summary["ledger"]) if "train/loss" in r]
+    assert summary["steps"] == 3 and [len(r["batch/row_ids"]) for r in steps] == [4, 4, 2]
+    assert sorted(row_id for r in steps for row_id in r["batch/row_ids"]) == sorted(row["id"] for row in rows)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_a_hung_evaluation_stops_the_run_with_a_named_error(tmp_path, recipe):
+    async def hung_evaluation(setup, step):
+        await asyncio.sleep(3600)
+
+    cfg = recipe.Config(model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=2, max_steps=1,
+                        eval_timeout_s=0.5, log_path=str(tmp_path / "run"), sampling=SamplingConfig(max_tokens=4),
+                        progress=False)
+    start = time.monotonic()
+    with pytest.raises(EvaluationTimeoutError, match=r"evaluation_fn did not return within eval_timeout_s=0.5s at "
+                                                     r"step 0"):
+        recipe.main(cfg, rollout_fn_factory=shim_like_factory, rows=ROWS, evaluation_fn=hung_evaluation)
+    assert time.monotonic() - start < 60

@@ -58,7 +58,8 @@ def test_sampling_then_training_then_sync_ordering(tmp_path):
     assert summary["version"] == 3 and summary["steps"] == 3
     records = [r for r in read_ledger(summary["ledger"]) if "train/loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert [r["async/version"] for r in records] == [1.0, 2.0, 3.0]
+    assert [r["train/weights_version"] for r in records] == [1.0, 2.0, 3.0]
+    assert not any(name.startswith("async/") for r in records for name in r)
     # One PPO epoch, one minibatch, anchor = pre-update weights: the ratio is exactly 1.
     assert all(r["train/ratio_mean"] == pytest.approx(1.0, abs=1e-6) for r in records)
     assert all(r["rollout/raw_reward"] == pytest.approx(0.5) for r in records)

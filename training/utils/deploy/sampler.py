@@ -3,8 +3,8 @@
 `await sampler.sample(prompt_ids, n, max_tokens=..., ...)` posts one request with a token-id
 prompt and returns `Completion`s (output ids, logprobs, finish reason, weight version per
 token). Everything that differs between servers (the path, request extras, where token ids,
-logprobs and versions sit in the response) lives in a `Protocol` of `protocols.py`, chosen by
-name: `embedded`, `vllm`, `sglang` or `openai`.
+logprobs and versions sit in the response) lives in the `Protocol` it is given: `EmbeddedProtocol`
+(`protocols.py`) by default, or an external server kind's (`vllm.py`, `sglang.py`, `openai_compat.py`).
 
 Retries: connection errors, 5xx and 429 are retried with exponential backoff, then
 `RecoverableDeploymentError` (the rollout's draw is dropped and counted). A request that ran
@@ -17,14 +17,13 @@ server's message (a bug to fix, not retry).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
-from typing import Any
 
 import aiohttp
 
 from training.utils.deploy.completion import Completion
-from training.utils.deploy.protocols import PROTOCOLS
+from training.utils.deploy.http_client import auth_headers, error_message, json_or_none
+from training.utils.deploy.protocols import EmbeddedProtocol, Protocol
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 
 RETRY_STATUSES = frozenset({429})
@@ -46,10 +45,8 @@ class Sampler:
         max_retries: int = 3,
         tokenizer=None,
         backoff_s: float = 0.5,
-        protocol: str = "embedded",
+        protocol: Protocol | None = None,
     ):
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"protocol={protocol!r} is not one of {sorted(PROTOCOLS)}")
         self.base_url = base_url.rstrip("/")
         self.model_name = model_name
         self.api_key = api_key
@@ -58,16 +55,15 @@ class Sampler:
         self.tokenizer = tokenizer
         """Only used to encode a text prompt passed to `sample`."""
         self.backoff_s = float(backoff_s)
-        self.protocol = PROTOCOLS[protocol]
+        self.protocol = protocol if protocol is not None else EmbeddedProtocol()
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             connector = aiohttp.TCPConnector(limit=1024)
-            self._session = aiohttp.ClientSession(headers=headers, connector=connector)
+            self._session = aiohttp.ClientSession(headers=auth_headers(self.api_key), connector=connector)
             self._session_loop = loop
         return self._session
 
@@ -135,10 +131,10 @@ class Sampler:
             except aiohttp.ClientError as e:
                 last = f"{type(e).__name__}: {e}"
                 continue
-            data = _loads(text)
+            data = json_or_none(text)
             if status == 200 and isinstance(data, (dict, list)):  # SGLang answers a batch with a list
                 return data
-            message = _error_message(data, text)
+            message = error_message(data, text)
             if status == 408:
                 raise RecoverableDeploymentError(
                     f"POST {url} timed out on the server (HTTP 408: {message}); not retried"
@@ -157,23 +153,3 @@ class Sampler:
             await self._session.close()
         self._session = None
 
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def _error_message(data: Any, text: str) -> str:
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and "message" in error:
-            param = f" (param: {error['param']})" if error.get("param") else ""
-            return f"{error['message']}{param}"
-        if isinstance(error, str):
-            return error
-        for key in ("message", "detail"):  # SGLang and FastAPI (vLLM) error bodies
-            if key in data:
-                return str(data[key])
-    return text[:300]

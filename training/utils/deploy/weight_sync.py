@@ -8,8 +8,10 @@
   POSTs `/update_weights_from_disk` with our `version` extension, then checks
   `GET /weights/version` equals `version`. Older step directories are deleted after a
   successful sync (the newest `keep_last` are kept).
-- The syncs into external vLLM / SGLang servers (disk and NCCL) live in `external.py` and share
-  `write_weight_dir`.
+- `ExternalWeightSync`: the steps every external server's sync shares (write, pause, load,
+  resume, read back the served version; the NCCL rendezvous and broadcast); each server kind
+  subclasses it with its own endpoints (`vllm.py`, `sglang.py`). `NoWeightSync` leaves a
+  server's weights alone.
 
 The caller must not modify the tensors of `state_dict` until `sync` returns (the copy or the
 file write reads them); awaiting `sync` before the next optimizer step guarantees that.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +29,8 @@ from pathlib import Path
 import aiohttp
 import torch
 
+from training.utils.deploy.http_client import AdminClient, auth_headers
+from training.utils.deploy.nccl import NCCLBroadcaster
 from training.utils.errors import DeploymentError
 
 
@@ -57,6 +62,28 @@ def write_weight_dir(state_dict: Mapping[str, torch.Tensor], final: Path, model_
         model_config.to_json_file(str(tmp / "config.json"))
     tmp.rename(final)
     return final
+
+
+class StepDirectories:
+    """The `step_<version>` weight directories a disk sync writes under `root`; once a newer one
+    has been loaded, all but the newest `keep_last` are deleted."""
+
+    def __init__(self, root: Path, keep_last: int = 1):
+        self.root = root
+        self.keep_last = max(1, int(keep_last))
+        self._loaded: list[Path] = []
+
+    async def write(self, state_dict: Mapping[str, torch.Tensor], version: int, model_config=None) -> Path:
+        return await asyncio.to_thread(write_weight_dir, state_dict, self.root / f"step_{version}", model_config)
+
+    async def loaded(self, path: Path) -> None:
+        """Record that the server now serves `path`, and delete the directories it no longer needs."""
+        self._loaded.append(path)
+        await asyncio.to_thread(self._prune)
+
+    def _prune(self) -> None:
+        while len(self._loaded) > self.keep_last:
+            shutil.rmtree(self._loaded.pop(0), ignore_errors=True)
 
 
 class WeightSync:
@@ -113,17 +140,15 @@ class DiskWeightSync(WeightSync):
         self.directory = Path(directory)
         self.api_key = api_key
         self.timeout_s = float(timeout_s)
-        self.keep_last = max(1, int(keep_last))
-        self._written: list[Path] = []
+        self._steps = StepDirectories(self.directory, keep_last)
 
     async def sync(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         start = time.perf_counter()
-        path = await asyncio.to_thread(self._write, state_dict, version)
+        path = await self._steps.write(state_dict, version)
         written = time.perf_counter()
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
-            async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+            async with aiohttp.ClientSession(headers=auth_headers(self.api_key), timeout=timeout) as session:
                 async with session.post(
                     f"{self.base_url}/update_weights_from_disk", json={"model_path": str(path), "version": version}
                 ) as resp:
@@ -140,20 +165,142 @@ class DiskWeightSync(WeightSync):
         if served != version:
             raise DeploymentError(f"after loading {path} the server reports version {served}, expected {version}")
         self.version = version
-        self._written.append(path)
-        await asyncio.to_thread(self._prune)
+        await self._steps.loaded(path)
         return {
             "weight_sync_time": time.perf_counter() - start,
             "weight_sync_write_time": written - start,
             "weight_sync_bytes": float(_state_bytes(state_dict)),
         }
 
-    def _write(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
-        return write_weight_dir(state_dict, self.directory / f"step_{version}")
 
-    def _prune(self) -> None:
-        while len(self._written) > self.keep_last:
-            shutil.rmtree(self._written.pop(0), ignore_errors=True)
+class ExternalWeightSync(WeightSync):
+    """Push weights to an external server (`transport` = `disk` or `nccl`); one subclass per server kind.
+
+    `sync` = write (disk) → pause (if the in-flight policy asks) → load → resume → read back the
+    served version; `version` advances only when the server reports the new one. A `disk` sync
+    writes `model.safetensors` + `config.json` (from `model_config`) under
+    `directory/step_<version>/`, a directory the server must see at the same path. An `nccl` sync
+    joins a group with the server's GPUs (`nccl.py`) and broadcasts every tensor while the HTTP
+    call that makes the server receive is in flight (both sides meet inside the same NCCL calls).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        transport: str,
+        directory: str | Path | None = None,
+        model_config=None,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        inflight_on_sync: str = "finish_old",
+        keep_last: int = 1,
+        broadcaster: NCCLBroadcaster | None = None,
+        master_address: str | None = None,
+        master_port: int = 0,
+    ):
+        super().__init__(0)
+        if transport not in ("disk", "nccl"):
+            raise ValueError(f"transport={transport!r}; expected 'disk' or 'nccl'")
+        if transport == "disk" and directory is None:
+            raise ValueError("transport='disk' needs a directory")
+        self.base_url = base_url.rstrip("/")
+        self.transport = transport
+        self.directory = Path(directory).resolve() if directory is not None else None
+        self.model_config = model_config
+        self.api_key = api_key
+        self.timeout_s = float(timeout_s)
+        self.inflight_on_sync = inflight_on_sync
+        self.broadcaster = broadcaster
+        self.master_address = master_address
+        self.master_port = int(master_port)
+        self._steps = StepDirectories(self.directory, keep_last) if self.directory is not None else None
+        self._ready = False
+
+    def _admin(self) -> AdminClient:
+        return AdminClient(self.base_url, self.api_key, self.timeout_s)
+
+    async def init(self) -> None:
+        """Set up the transport once (call at start-up so a misconfigured server fails there)."""
+        if not self._ready:
+            async with self._admin() as admin:
+                await self._init(admin)
+            self._ready = True
+
+    async def sync(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = {"weight_sync_bytes": float(_state_bytes(state_dict))}
+        path = None
+        if self.transport == "disk":
+            path = await self._steps.write(state_dict, version, self.model_config)
+            metrics["weight_sync_write_time"] = time.perf_counter() - start
+        await self.init()
+        async with self._admin() as admin:
+            await self._pause(admin)
+            try:
+                if path is not None:
+                    await self._load_from_disk(admin, path, version)
+                else:
+                    await self._load_by_broadcast(admin, state_dict, version)
+            finally:
+                await self._resume(admin)
+            served = await self._served_version(admin)
+        if served != str(version):
+            raise DeploymentError(
+                f"after the weight update {self.base_url} reports weight_version {served!r}, expected '{version}'"
+            )
+        self.version = version
+        if path is not None:
+            await self._steps.loaded(path)
+        return metrics | {"weight_sync_time": time.perf_counter() - start}
+
+    async def _broadcast_while(self, call, tensors: list[torch.Tensor]) -> None:
+        """Run the server-side HTTP call and the trainer's blocking broadcast together."""
+        await asyncio.gather(call, asyncio.to_thread(self.broadcaster.broadcast, tensors))
+
+    async def _rendezvous_while(self, call, world_size: int) -> None:
+        """Run the server's join call and the trainer's blocking rendezvous together. When the
+        server's side fails, the trainer's thread waits out its store timeout (`timeout_s`)."""
+        self.master_address = self.master_address or socket.gethostbyname(socket.gethostname())
+        self.master_port = self.master_port or _free_port()
+        await asyncio.gather(
+            call(self.master_address, self.master_port, world_size),
+            asyncio.to_thread(
+                self.broadcaster.rendezvous, self.master_address, self.master_port, world_size, self.timeout_s
+            ),
+        )
+
+    # The server kind's steps.
+    async def _init(self, admin: AdminClient) -> None:
+        raise NotImplementedError
+
+    async def _pause(self, admin: AdminClient) -> None:
+        raise NotImplementedError
+
+    async def _resume(self, admin: AdminClient) -> None:
+        raise NotImplementedError
+
+    async def _load_from_disk(self, admin: AdminClient, path: Path, version: int) -> None:
+        raise NotImplementedError
+
+    async def _load_by_broadcast(self, admin: AdminClient, state_dict, version: int) -> None:
+        raise NotImplementedError
+
+    async def _served_version(self, admin: AdminClient) -> str | None:
+        raise NotImplementedError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class NoWeightSync(WeightSync):
+    """`weight_sync='none'`: the server keeps the weights it was started with and `version` stays 0."""
+
+    async def sync(self, state_dict, version):
+        return {"weight_sync_time": 0.0}
 
 
 def make_weight_sync(

@@ -85,19 +85,21 @@ def _whiten_batch(advantages_P_G: list[list[float]]) -> list[list[float]]:
 
 
 @dataclass(frozen=True)
-class _Estimator:
+class AdvantageEstimator:
+    """One entry of `ADVANTAGE_ESTIMATORS`: the per-group rule and the facts the config checks."""
+
     per_group: Callable[[list[float]], list[float]]
     needs_baseline: bool
     """A group baseline is meaningless for one run, so singleton groups are dropped."""
     whiten_batch: bool = False
 
 
-ADVANTAGE_ESTIMATORS: dict[str, _Estimator] = {
-    "grpo": _Estimator(_grpo, needs_baseline=True),
-    "dr_grpo": _Estimator(_dr_grpo, needs_baseline=True),
-    "rloo": _Estimator(_rloo, needs_baseline=True),
-    "reinforce": _Estimator(_reinforce, needs_baseline=False),
-    "reinforce_pp_baseline": _Estimator(_dr_grpo, needs_baseline=True, whiten_batch=True),
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "grpo": AdvantageEstimator(_grpo, needs_baseline=True),
+    "dr_grpo": AdvantageEstimator(_dr_grpo, needs_baseline=True),
+    "rloo": AdvantageEstimator(_rloo, needs_baseline=True),
+    "reinforce": AdvantageEstimator(_reinforce, needs_baseline=False),
+    "reinforce_pp_baseline": AdvantageEstimator(_dr_grpo, needs_baseline=True, whiten_batch=True),
 }
 
 

@@ -1,4 +1,4 @@
-"""Dataset rows: JSONL files, and deterministic, resumable iteration over rows.
+"""Dataset rows: JSONL files, generated train/eval splits, and deterministic, resumable iteration over rows.
 
 Each epoch visits every row once in an order shuffled from `(seed, epoch)`, so the
 whole position is two integers (`epoch`, `position`) that a checkpoint can store.
@@ -6,7 +6,9 @@ whole position is two integers (`epoch`, `position`) that a checkpoint can store
 
 from __future__ import annotations
 
+import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,38 @@ def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@dataclass(frozen=True)
+class GeneratedSplits:
+    """A task's generated train and eval rows, written once to `data_dir/{train,eval}.jsonl`."""
+
+    data_dir: Path
+    make_rows: Callable[[int, int, str], list[dict[str, Any]]]
+    """`make_rows(count, seed, split)`: the same arguments give the same rows."""
+    train_rows: int
+    eval_rows: int
+
+    def write(self, train_rows: int | None = None, eval_rows: int | None = None, seed: int = 0) -> None:
+        write_jsonl(self.data_dir / "train.jsonl", self.make_rows(train_rows or self.train_rows, seed, "train"))
+        write_jsonl(self.data_dir / "eval.jsonl", self.make_rows(eval_rows or self.eval_rows, seed, "eval"))
+
+    def load(self, split: str) -> list[dict[str, Any]]:
+        """Rows of `split` ("train" or "eval"), writing the default files first if they are missing."""
+        path = self.data_dir / f"{split}.jsonl"
+        if not path.is_file():
+            self.write()
+        return read_jsonl(path)
+
+    def main(self, description: str, argv: list[str] | None = None) -> None:
+        """The command line of a task's make_data.py: `[--train N --eval N --seed S]`."""
+        parser = argparse.ArgumentParser(description=description.splitlines()[0])
+        parser.add_argument("--train", type=int, default=self.train_rows, help="training rows")
+        parser.add_argument("--eval", type=int, default=self.eval_rows, help="held-out rows")
+        parser.add_argument("--seed", type=int, default=0)
+        args = parser.parse_args(argv)
+        self.write(args.train, args.eval, args.seed)
+        print(f"wrote {args.train} train and {args.eval} eval rows to {self.data_dir}")
 
 
 @dataclass(frozen=True)
@@ -81,3 +115,57 @@ class RowCursor:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+
+
+class DurableRowSource:
+    """Dataset rows for both recipes, resumable without losing or repeating one.
+
+    Rows are handed out in cursor order, but they finish in completion order, and a row only
+    counts as consumed once nothing can lose it: a rejected row when it is rejected, an
+    accepted row when the batch that trained it is published. The resume state is the
+    contiguous durable prefix (`cursor_index`) plus the durable indices beyond it (`done`),
+    so a row that finished early is not trained twice and a slow row that was still in
+    flight at the crash is not skipped.
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], *, seed: int, total_rows: int | None, state: dict | None = None):
+        """`total_rows`: rows to hand out over the whole run (epochs × len(rows)); None is unbounded."""
+        self._cursor = RowCursor(rows, seed=seed)
+        self.total_rows = total_rows
+        self.durable_prefix = 0
+        self._done_beyond: set[int] = set()
+        if state is not None:
+            if state["seed"] != seed:
+                raise ConfigError(f"checkpoint cursor was shuffled with seed {state['seed']}, config has seed={seed}")
+            self.durable_prefix = int(state["cursor_index"])
+            self._done_beyond = {int(i) for i in state["done"]}
+        n = len(rows)
+        self._cursor.epoch, self._cursor.position = divmod(self.durable_prefix, n)
+        self._skip_done()
+
+    def _next_index(self) -> int:
+        return self._cursor.epoch * len(self._cursor.rows) + self._cursor.position
+
+    def _skip_done(self) -> None:
+        while self._next_index() in self._done_beyond:
+            self._cursor.take(1)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.total_rows is not None and self._next_index() >= self.total_rows
+
+    def next(self) -> RowItem | None:
+        if self.exhausted:
+            return None
+        (item,) = self._cursor.take(1)
+        self._skip_done()
+        return item
+
+    def mark_durable(self, cursor_index: int) -> None:
+        self._done_beyond.add(cursor_index)
+        while self.durable_prefix in self._done_beyond:
+            self._done_beyond.remove(self.durable_prefix)
+            self.durable_prefix += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor_index": self.durable_prefix, "done": sorted(self._done_beyond), "seed": self._cursor.seed}

@@ -57,7 +57,9 @@ def build_groups(
 
 
 def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], counts: Counter) -> dict[str, float]:
-    """`rollout/*` metrics of one batch (DESIGN.md §5 names), with the agent shim's counters."""
+    """`rollout/*` metrics of one batch, with the agent shim's counters.
+
+    The names are listed in skills/dev/references/rl/async-rl.md §8."""
     runs = [run for s in settled_P for run in s.runs_G]
     metrics: dict[str, float] = {}
     if runs:

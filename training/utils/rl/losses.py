@@ -1,6 +1,6 @@
 """Policy losses over padded `(B, T)` token tensors, selected by name.
 
-Notation per token (DESIGN.md §5): `π` current logprob (carries the gradient), `π_old`
+Notation per token (README: Policy losses): `π` current logprob (carries the gradient), `π_old`
 anchor logprob, `μ` sampler logprob, `π_ref` reference logprob, `A` advantage,
 `r = exp(π − π_old)` with the log-ratio clamped to ±20 before `exp`, `sg` stop-gradient.
 
@@ -8,15 +8,16 @@ anchor logprob, `μ` sampler logprob, `π_ref` reference logprob, `A` advantage,
 
 1. sanitises the inputs: every padded/untrained position is replaced by 0 with
    `torch.where`, so an inf or NaN there never reaches the loss or the gradient;
-2. calls the registered loss (`POLICY_LOSSES[name]`), which returns a per-token loss;
+2. calls the registered loss (`POLICY_LOSSES[name].fn`), which returns a per-token loss;
 3. applies the train-inference correction (TIS weight, IcePop and seq-mask filters) to
    that policy-gradient term only;
 4. adds `kl_beta · KL(π ‖ π_ref)` as a second per-token term;
-5. aggregates both terms with `LOSS_AGG_MODES[loss_agg_mode]` and returns
+5. aggregates both terms with `LOSS_AGG_MODES[loss_agg_mode].reduce` and returns
    `(loss, metrics)`, metrics being detached tensors (no host sync here).
 
-A registered loss is a pure function `fn(inp: LossInputs, *, <its params>) -> TokenLoss`;
-its keyword-only parameters are the config knobs it accepts.
+A registered loss is a pure function `fn(inp: LossInputs, *, <its settings>) -> TokenLoss`;
+its keyword-only parameters are its settings (config fields of the same name, or
+`policy_loss_params`). `register_policy_loss` adds one; the built-ins below use it too.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from training.utils.config import TISConfig
 from training.utils.errors import ConfigError
+
+if TYPE_CHECKING:  # the config imports this registry to validate names, so no runtime import back
+    from training.utils.config import TISConfig
 
 LOG_RATIO_CAP = 20.0
 """Log-ratios are clamped to ±this before `exp`, so a ratio is at most e^20 and never inf."""
@@ -94,11 +98,22 @@ def _sum(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm) -> T
     return torch.where(mask, x, 0.0).sum()
 
 
-LOSS_AGG_MODES: dict[str, Callable[..., Tensor]] = {
-    "token_mean": _token_mean,
-    "seq_mean_token_mean": _seq_mean_token_mean,
-    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
-    "sum": _sum,
+@dataclass(frozen=True)
+class LossAggregation:
+    """How per-token losses become one number, and what that number is divided by over a whole batch."""
+
+    reduce: Callable[..., Tensor]
+    """`reduce(x, mask, num_tokens, num_seqs, seq_token_sum_norm) -> scalar`."""
+    batch_denominator: Callable[[float, int], float]
+    """`(trained tokens, sequences) -> d`: with num_tokens = num_seqs = 1 a batch's reduced losses add up
+    to a sum, and that sum / d is the loss over the batch (how chunked training normalises at the end)."""
+
+
+LOSS_AGG_MODES: dict[str, LossAggregation] = {
+    "token_mean": LossAggregation(_token_mean, lambda tokens, seqs: max(tokens, 1.0)),
+    "seq_mean_token_mean": LossAggregation(_seq_mean_token_mean, lambda tokens, seqs: float(seqs)),
+    "seq_mean_token_sum_norm": LossAggregation(_seq_mean_token_sum_norm, lambda tokens, seqs: float(seqs)),
+    "sum": LossAggregation(_sum, lambda tokens, seqs: 1.0),
 }
 """`token_mean`: Σ loss / num_tokens (num_tokens defaults to the mask count; pass the
 minibatch's count under gradient accumulation so micro-batch losses sum to the minibatch
@@ -109,6 +124,47 @@ seq_token_sum_norm default T (Dr. GRPO's constant normaliser). `sum`: Σ loss.""
 
 # ---------------------------------------------------------------------------------------
 # Policy losses.
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss and the facts the config checks against it."""
+
+    fn: Callable[..., TokenLoss]
+    """`fn(inp: LossInputs, *, <settings>) -> TokenLoss`."""
+    settings: dict[str, object]
+    """Its keyword-only parameters with their defaults: the settings it takes."""
+
+    @property
+    def dual_clip(self) -> bool:
+        return "dual_clip_c" in self.settings
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+"""Every loss `policy_loss` may name, by name; `register_policy_loss` adds to it."""
+
+
+def register_policy_loss(name: str, fn: Callable[..., TokenLoss] | None = None):
+    """Register `fn(inp: LossInputs, *, <settings>) -> TokenLoss` as `policy_loss=name` (also a decorator).
+
+    Its keyword-only parameters are its settings: config fields of the same name (`eps_clip`, ...)
+    or keys of `policy_loss_params`; every other parameter must be the single positional `inp`.
+    """
+
+    def register(loss_fn: Callable[..., TokenLoss]) -> Callable[..., TokenLoss]:
+        params = list(inspect.signature(loss_fn).parameters.values())
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        others = [p for p in params if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if len(positional) != 1 or others:
+            raise ConfigError(f"policy loss {name!r}: the function must take one positional argument (LossInputs) "
+                              f"and keyword-only settings, got {inspect.signature(loss_fn)}")
+        settings = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+        if missing := [k for k, v in settings.items() if v is inspect.Parameter.empty]:
+            raise ConfigError(f"policy loss {name!r}: settings {missing} need defaults")
+        POLICY_LOSSES[name] = PolicyLoss(loss_fn, settings)
+        return loss_fn
+
+    return register if fn is None else register(fn)
 
 
 def _ppo_clip(
@@ -138,6 +194,7 @@ def _check_clip(eps_low: float, eps_high: float, dual_clip_c: float | None) -> N
         )
 
 
+@register_policy_loss("grpo")
 def grpo_loss(
     inp: LossInputs, *, eps_clip: float = 0.2, eps_clip_high: float | None = None, dual_clip_c: float | None = None
 ) -> TokenLoss:
@@ -153,6 +210,7 @@ def grpo_loss(
     return TokenLoss(loss, ratio, clipped, dual)
 
 
+@register_policy_loss("dapo")
 def dapo_loss(
     inp: LossInputs, *, eps_clip: float = 0.2, eps_clip_high: float | None = None, dual_clip_c: float | None = None
 ) -> TokenLoss:
@@ -165,6 +223,7 @@ def dapo_loss(
                      dual_clip_c=dual_clip_c)
 
 
+@register_policy_loss("importance_sampling")
 def importance_sampling_loss(inp: LossInputs) -> TokenLoss:
     """Unclipped importance-sampled policy gradient.
 
@@ -174,6 +233,7 @@ def importance_sampling_loss(inp: LossInputs) -> TokenLoss:
     return TokenLoss(-ratio * inp.advantages, ratio)
 
 
+@register_policy_loss("reinforce")
 def reinforce_loss(inp: LossInputs) -> TokenLoss:
     """Vanilla REINFORCE; the ratio to the sampler μ enters only through the optional `tis` correction.
 
@@ -182,6 +242,7 @@ def reinforce_loss(inp: LossInputs) -> TokenLoss:
     return TokenLoss(-inp.advantages * inp.logprobs, inp.ratio)
 
 
+@register_policy_loss("dro")
 def dro_loss(inp: LossInputs, *, dro_beta: float = 0.1) -> TokenLoss:
     """DRO, a regularised off-policy objective (arXiv:2405.19107): a quadratic penalty replaces the clip.
 
@@ -193,6 +254,7 @@ def dro_loss(inp: LossInputs, *, dro_beta: float = 0.1) -> TokenLoss:
     return TokenLoss(-(inp.logprobs * inp.advantages - 0.5 * dro_beta * diff.square()), inp.ratio)
 
 
+@register_policy_loss("gspo")
 def gspo_loss(
     inp: LossInputs, *, eps_clip: float = 0.2, eps_clip_high: float | None = None, dual_clip_c: float | None = None
 ) -> TokenLoss:
@@ -216,6 +278,7 @@ def gspo_loss(
     return TokenLoss(loss, ratio, clipped, dual)
 
 
+@register_policy_loss("cispo")
 def cispo_loss(inp: LossInputs, *, eps_clip: float = 0.2, eps_clip_high: float | None = None) -> TokenLoss:
     """CISPO: clip the importance weight, not the update, so every token keeps a gradient (arXiv:2506.13585).
 
@@ -228,22 +291,6 @@ def cispo_loss(inp: LossInputs, *, eps_clip: float = 0.2, eps_clip_high: float |
     clipped = (ratio < 1.0 - eps_clip) | (ratio > 1.0 + eps_high)
     return TokenLoss(-weight * inp.advantages * inp.logprobs, ratio, clipped)
 
-
-POLICY_LOSSES: dict[str, Callable[..., TokenLoss]] = {
-    "grpo": grpo_loss,
-    "importance_sampling": importance_sampling_loss,
-    "reinforce": reinforce_loss,
-    "dapo": dapo_loss,
-    "dro": dro_loss,
-    "gspo": gspo_loss,
-    "cispo": cispo_loss,
-}
-
-_LOSS_PARAMS: dict[str, frozenset[str]] = {
-    name: frozenset(p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY)
-    for name, fn in POLICY_LOSSES.items()
-}
-"""Each loss's config knobs, read once from its keyword-only parameters."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -343,27 +390,22 @@ def compute_policy_loss(
     num_tokens: float | Tensor | None = None,
     num_seqs: float | Tensor | None = None,
     seq_token_sum_norm: float | None = None,
-    eps_clip: float = 0.2,
-    eps_clip_high: float | None = None,
-    dual_clip_c: float | None = None,
     kl_beta: float = 0.0,
     kl_estimator: str = "k3",
     tis: TISConfig | None = None,
-    dro_beta: float = 0.1,
-    **params,
+    **settings,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss `name` over `(B, T)` tensors; returns (scalar loss, detached metric tensors).
 
     loss = agg(pg_t · w_t · keep_t) + kl_beta · agg(KL_t)
-    where pg_t is `POLICY_LOSSES[name]`, w_t the TIS weight and keep_t the IcePop/seq-mask
-    filter (both 1 without `tis`), and agg is `LOSS_AGG_MODES[loss_agg_mode]` with the same
+    where pg_t is `POLICY_LOSSES[name].fn`, w_t the TIS weight and keep_t the IcePop/seq-mask
+    filter (both 1 without `tis`), and agg is `LOSS_AGG_MODES[loss_agg_mode].reduce` with the same
     normaliser for both terms. TIS corrects the policy-gradient term only; the KL term
     uses the plain mask.
 
     `advantages` is `(B,)` (one per sequence) or `(B, T)`. `mask` is bool or float
-    (nonzero = trained). Loss parameters (`eps_clip`, `eps_clip_high`, `dual_clip_c`,
-    `dro_beta`, and any extra `**params`) go to the losses that declare them; an extra
-    param no loss of that name takes, or a dual clip on a loss without one, is a ConfigError.
+    (nonzero = trained). `**settings` are the loss's own settings (its keyword-only
+    parameters, e.g. `eps_clip` for `grpo`); one the loss does not take is a ConfigError.
 
     Metrics are means over this call's masked tokens (`*_min`/`*_max` are extremes; inf/−inf
     on an empty mask), so a token-weighted mean over micro-batches is the minibatch's mean.
@@ -371,8 +413,8 @@ def compute_policy_loss(
     terms, equal to the loss's terms under `token_mean` with the default `num_tokens`, and
     independent of the aggregation mode and of `num_tokens` otherwise.
     """
-    loss_fn = POLICY_LOSSES.get(name)
-    if loss_fn is None:
+    loss = POLICY_LOSSES.get(name)
+    if loss is None:
         raise ConfigError(f"unknown policy_loss {name!r}; valid: {sorted(POLICY_LOSSES)}")
     agg = LOSS_AGG_MODES.get(loss_agg_mode)
     if agg is None:
@@ -380,11 +422,8 @@ def compute_policy_loss(
     kl_fn = KL_ESTIMATORS.get(kl_estimator)
     if kl_fn is None:
         raise ConfigError(f"unknown kl_estimator {kl_estimator!r}; valid: {sorted(KL_ESTIMATORS)}")
-    accepted = _LOSS_PARAMS[name]
-    if extra := set(params) - accepted:
-        raise ConfigError(f"policy_loss {name!r} takes no params {sorted(extra)}; it takes {sorted(accepted)}")
-    if dual_clip_c is not None and "dual_clip_c" not in accepted:
-        raise ConfigError(f"policy_loss {name!r} has no dual clip; set dual_clip_c=None")
+    if extra := set(settings) - set(loss.settings):
+        raise ConfigError(f"policy_loss {name!r} takes no settings {sorted(extra)}; it takes {sorted(loss.settings)}")
     if kl_beta > 0 and ref_logprobs is None:
         raise ConfigError(f"kl_beta={kl_beta} needs ref_logprobs; pass them or set kl_beta=0")
     if tis is not None and rollout_logprobs is None:
@@ -409,9 +448,7 @@ def compute_policy_loss(
     )
 
     # 2. The policy-gradient term.
-    knobs = {"eps_clip": eps_clip, "eps_clip_high": eps_clip_high, "dual_clip_c": dual_clip_c,
-             "dro_beta": dro_beta, **params}
-    out = loss_fn(inp, **{k: v for k, v in knobs.items() if k in accepted})
+    out = loss.fn(inp, **settings)
     metrics: dict[str, Tensor] = {}
 
     # 3. Train-inference correction.
@@ -420,7 +457,7 @@ def compute_policy_loss(
         corr = _train_inference_correction(pi_old, _sanitise(rollout_logprobs.detach(), mask), mask, tis)
         pg = torch.where(corr.keep, pg * corr.weight, 0.0)
         metrics.update(corr.metrics)
-    pg_loss = agg(pg, mask, num_tokens, num_seqs, seq_token_sum_norm)
+    pg_loss = agg.reduce(pg, mask, num_tokens, num_seqs, seq_token_sum_norm)
 
     # 4. KL to the reference, aggregated like the pg term.
     kl_loss = torch.zeros((), device=pi.device)
@@ -429,7 +466,7 @@ def compute_policy_loss(
         pi_ref = _sanitise(ref_logprobs.detach(), mask)
         if kl_beta > 0:
             kl_BT = kl_beta * kl_fn(pi, pi_ref)
-            kl_loss = agg(kl_BT, mask, num_tokens, num_seqs, seq_token_sum_norm)
+            kl_loss = agg.reduce(kl_BT, mask, num_tokens, num_seqs, seq_token_sum_norm)
             metrics["kl_loss"] = _masked_mean(kl_BT, mask)
         metrics["ref_kl"] = _masked_mean(_kl_k3(pi, pi_ref), mask)
         metrics["ref_kl_k1"] = _masked_mean(_kl_k1(pi, pi_ref), mask)

@@ -1,38 +1,31 @@
-"""One optimizer batch on the trainer side, shared by both recipes (DESIGN.md §4.3 steps 1–3).
+"""One optimizer batch on the trainer side, the same in both recipes.
 
-`anchor_and_reference` computes the no-grad logprobs the loss needs (old policy, reference,
-entropy); `ppo_update` runs `ppo_epochs` × `ppo_minibatches` optimizer steps with the
-configured policy loss. Both run on whatever thread the recipe trains on.
+1. Reference logprobs (when kl_beta > 0) and the anchor π_old with entropy, no grad
+   (`anchor_and_reference`).
+2. The PPO inner loop: `ppo_epochs` × `ppo_minibatches` optimizer steps with the configured
+   policy loss (`ppo_update`).
+
+`BatchUpdate` runs both over a batch that arrives in chunks: `add(datums)` per chunk, then
+`finish()`. With one PPO epoch and one minibatch and several chunks, each chunk's gradient
+accumulates as it arrives (as a sum, divided by the loss aggregation's batch denominator
+at the end); otherwise the chunks are gathered and the inner loop runs at `finish()`. The
+synchronous recipe trains one chunk through the same object (`train_batch`). Everything
+here runs on whatever thread the recipe trains on.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from training.utils.config import RLConfig
-from training.utils.rl.losses import compute_policy_loss
-from training.utils.rl.rollout.types import Datum
-from training.utils.trainer import MicroBatch, Reference, Trainer
+from training.utils.rl.losses import LOSS_AGG_MODES, compute_policy_loss
+from training.utils.trainer import Datum, MicroBatch, Reference, Trainer
 
-
-def policy_loss_params(cfg: RLConfig) -> dict[str, Any]:
-    """The loss knobs of the config, as keyword arguments of `compute_policy_loss`."""
-    return dict(
-        loss_agg_mode=cfg.loss_agg_mode,
-        eps_clip=cfg.eps_clip,
-        eps_clip_high=cfg.eps_clip_high,
-        dual_clip_c=cfg.dual_clip_c,
-        kl_beta=cfg.kl_beta,
-        kl_estimator=cfg.kl_estimator,
-        tis=cfg.tis,
-        dro_beta=cfg.dro_beta,
-        # Dr. GRPO's constant normaliser: the longest response the sampler may produce.
-        seq_token_sum_norm=float(cfg.sampling.max_tokens),
-    )
+GAP = "rollout/sampler_trainer_logprob_diff"
+"""Mean |π_old − μ| over trained tokens: how far the sampler's logprobs are from the trainer's."""
 
 
 def anchor_is_current_policy(cfg: RLConfig) -> bool:
@@ -43,9 +36,12 @@ def anchor_is_current_policy(cfg: RLConfig) -> bool:
     return cfg.anchor_logp == "old_policy" and cfg.ppo_epochs == 1 and cfg.ppo_minibatches == 1
 
 
-def make_loss_fn(cfg: RLConfig):
-    """A `Trainer.forward_backward` loss over one micro-batch, normalised by the whole minibatch."""
-    params = policy_loss_params(cfg)
+def make_loss_fn(cfg: RLConfig, *, normalised: bool = True):
+    """A `Trainer.forward_backward` loss over one micro-batch: normalised by the whole minibatch, or
+    (`normalised=False`) with normalisers of 1, a token or sequence sum, so that chunks add up."""
+    settings = cfg.policy_loss_settings()
+    # Dr. GRPO's constant normaliser: the longest response the sampler may produce.
+    seq_token_sum_norm = float(cfg.sampling.max_tokens)
 
     def loss_fn(logprobs: torch.Tensor, mb: MicroBatch):
         old_logprobs = mb.extras.get("old_logprobs")
@@ -60,9 +56,14 @@ def make_loss_fn(cfg: RLConfig):
             rollout_logprobs=mb.behaviour_logprobs,
             ref_logprobs=mb.extras.get("ref_logprobs"),
             entropy=mb.extras.get("entropy"),
-            num_tokens=mb.num_tokens_total,
-            num_seqs=mb.num_seqs_total,
-            **params,
+            loss_agg_mode=cfg.loss_agg_mode,
+            num_tokens=mb.num_tokens_total if normalised else 1.0,
+            num_seqs=mb.num_seqs_total if normalised else 1,
+            seq_token_sum_norm=seq_token_sum_norm,
+            kl_beta=cfg.kl_beta,
+            kl_estimator=cfg.kl_estimator,
+            tis=cfg.tis,
+            **settings,
         )
         # On a batch's first optimizer step π is the pre-update policy, so this is |π_old − μ|.
         trained = mb.weights > 0
@@ -73,14 +74,36 @@ def make_loss_fn(cfg: RLConfig):
     return loss_fn
 
 
+def reduce_metrics(records: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """The one rule for combining metrics over micro-batches, chunks or optimizer steps: `_min`/`_max`
+    take extremes, `skipped` adds up, the rest is the mean weighted by each record's weight (tokens
+    for chunks, 1 for optimizer steps; an unweighted mean when every weight is 0)."""
+    combined = {}
+    for name in dict.fromkeys(name for metrics, _ in records for name in metrics):
+        pairs = [(metrics[name], weight) for metrics, weight in records if name in metrics]
+        values = [value for value, _ in pairs]
+        total = sum(weight for _, weight in pairs)
+        if name.endswith("_min"):
+            combined[name] = min(values)
+        elif name.endswith("_max"):
+            combined[name] = max(values)
+        elif name == "skipped":
+            combined[name] = float(sum(values))
+        elif total:
+            combined[name] = sum(value * weight for value, weight in pairs) / total
+        else:
+            combined[name] = float(np.mean(values))
+    return combined
+
+
 def anchor_and_reference(
     policy: Trainer, reference: Reference | None, datums_D: list[Datum], cfg: RLConfig
 ) -> tuple[dict[str, list[torch.Tensor]], dict[str, float]]:
-    """Steps 1–2: per-datum reference logprobs (when kl_beta > 0) and the anchor π_old with entropy.
+    """Per-datum reference logprobs (when kl_beta > 0) and the anchor π_old with entropy.
 
-    Also returns `rollout/sampler_trainer_logprob_diff` = mean |π_old − μ| over trained
-    tokens. When the anchor is the current policy (`anchor_is_current_policy`) the training
-    pass supplies π_old, entropy and that gap itself, and only the reference runs here.
+    Also returns `GAP` over trained tokens. When the anchor is the current policy
+    (`anchor_is_current_policy`) the training pass supplies π_old, entropy and that gap
+    itself, and only the reference runs here.
     """
     temperature = cfg.sampling.temperature
     extras: dict[str, list[torch.Tensor]] = {}
@@ -97,7 +120,7 @@ def anchor_and_reference(
     gap_sum = sum(float(torch.where(torch.tensor(d.weights) > 0, (lp - mu).abs(), 0.0).sum())
                   for d, lp, mu in zip(datums_D, trainer_lp_D, behaviour_D))
     n_tokens = sum(sum(d.weights) for d in datums_D)
-    return extras, {"rollout/sampler_trainer_logprob_diff": gap_sum / max(n_tokens, 1.0)}
+    return extras, {GAP: gap_sum / max(n_tokens, 1.0)}
 
 
 def ppo_update(
@@ -107,10 +130,10 @@ def ppo_update(
     cfg: RLConfig,
     rng: np.random.Generator,
 ) -> dict[str, float]:
-    """Step 3: `ppo_epochs` passes × `ppo_minibatches` optimizer steps; metrics averaged over steps."""
+    """`ppo_epochs` passes × `ppo_minibatches` optimizer steps; metrics reduced over the steps."""
     loss_fn = make_loss_fn(cfg)
     n_minibatches = min(cfg.ppo_minibatches, len(datums_D))
-    per_step: dict[str, list[float]] = defaultdict(list)
+    per_step: list[tuple[dict[str, float], float]] = []
     for _ in range(cfg.ppo_epochs):
         order = rng.permutation(len(datums_D)) if n_minibatches > 1 else np.arange(len(datums_D))
         for indices in np.array_split(order, n_minibatches):
@@ -120,23 +143,84 @@ def ppo_update(
                 minibatch, loss_fn, temperature=cfg.sampling.temperature, extras=minibatch_extras,
                 with_entropy="entropy" not in extras,
             )
-            metrics.update(policy.optim_step())
-            for k, v in metrics.items():
-                per_step[k].append(v)
+            per_step.append((metrics | policy.optim_step(), 1.0))
     # Without a separate anchor pass, the first step's training pass measured the gap.
-    gap_first_step = per_step.pop("sampler_trainer_logprob_diff")[0]
-    gap = {} if "old_logprobs" in extras else {"rollout/sampler_trainer_logprob_diff": gap_first_step}
-    return gap | {f"train/{k}": _reduce(k, v) for k, v in per_step.items()} | {
-        "train/optimizer_steps": float(len(per_step.get("lr", []))),
+    gap = {} if "old_logprobs" in extras else {GAP: per_step[0][0]["sampler_trainer_logprob_diff"]}
+    reduced = reduce_metrics(per_step)
+    reduced.pop("sampler_trainer_logprob_diff")
+    return gap | train_metrics(reduced, policy, optimizer_steps=len(per_step))
+
+
+def train_metrics(metrics: dict[str, float], policy: Trainer, *, optimizer_steps: int) -> dict[str, float]:
+    return {f"train/{k}": v for k, v in metrics.items()} | {
+        "train/optimizer_steps": float(optimizer_steps),
         "train/skipped_steps_total": float(policy.skipped_steps),
     }
 
 
-def _reduce(name: str, values: list[float]) -> float:
-    if name.endswith("_min"):
-        return min(values)
-    if name.endswith("_max"):
-        return max(values)
-    if name == "skipped":
-        return float(sum(values))
-    return float(np.mean(values))
+@dataclass
+class BatchUpdate:
+    """One optimizer batch, trained chunk by chunk: `add(datums)` per chunk, then `finish()`."""
+
+    policy: Trainer
+    reference: Reference | None
+    cfg: RLConfig
+    rng: np.random.Generator
+    planned_chunks: int = 1
+    datums_D: list[Datum] = field(default_factory=list)
+    extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """Per-datum old-policy / reference logprobs and entropies, in `datums_D` order."""
+    chunk_metrics: list[tuple[dict[str, float], float]] = field(default_factory=list)
+    """(forward_backward metrics, trained tokens) per chunk, when accumulating."""
+    gap_sum: float = 0.0
+    gap_tokens: float = 0.0
+
+    @property
+    def accumulates(self) -> bool:
+        """Take each chunk's gradient as it arrives: several chunks, one PPO epoch of one minibatch.
+        Several epochs or minibatches shuffle the whole batch, so they can only start once it is complete."""
+        return self.planned_chunks > 1 and self.cfg.ppo_epochs == 1 and self.cfg.ppo_minibatches == 1
+
+    def add(self, datums_D: list[Datum]) -> None:
+        """A chunk: no-grad logprobs with the pre-update weights, then (when accumulating) its gradient."""
+        extras, gap = anchor_and_reference(self.policy, self.reference, datums_D, self.cfg)
+        tokens = float(sum(sum(d.weights) for d in datums_D))
+        self.datums_D += datums_D
+        for name, values in extras.items():
+            self.extras.setdefault(name, []).extend(values)
+        if gap:  # measured by a separate anchor pass; otherwise the training pass measures it
+            self.gap_sum += gap[GAP] * tokens
+            self.gap_tokens += tokens
+        if self.accumulates:
+            # Without an anchor pass (π_old = the pre-update policy) the training pass computes the entropy.
+            metrics = self.policy.forward_backward(
+                datums_D, make_loss_fn(self.cfg, normalised=False), temperature=self.cfg.sampling.temperature,
+                extras=extras, with_entropy="entropy" not in extras,
+            )
+            self.chunk_metrics.append((metrics, tokens))
+
+    def finish(self) -> dict[str, float]:
+        """The optimizer step(s): one on the accumulated gradient, or the full PPO inner loop."""
+        gap = {GAP: self.gap_sum / self.gap_tokens} if self.gap_tokens else {}
+        if not self.accumulates:
+            return ppo_update(self.policy, self.datums_D, self.extras, self.cfg, self.rng) | gap
+        tokens = float(sum(sum(d.weights) for d in self.datums_D))
+        denominator = LOSS_AGG_MODES[self.cfg.loss_agg_mode].batch_denominator(tokens, len(self.datums_D))
+        for p in self.policy.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(denominator)
+        metrics = reduce_metrics(self.chunk_metrics)
+        metrics["loss"] = sum(m["loss"] for m, _ in self.chunk_metrics) / denominator
+        measured = metrics.pop("sampler_trainer_logprob_diff", None)
+        if measured is not None:  # by the training passes, before the step
+            gap = {GAP: measured} | gap
+        metrics |= self.policy.optim_step()
+        return gap | train_metrics(metrics, self.policy, optimizer_steps=1)
+
+
+def train_batch(policy: Trainer, reference: Reference | None, datums_D: list[Datum], cfg: RLConfig,
+                rng: np.random.Generator) -> dict[str, float]:
+    """A whole batch as one chunk (the synchronous recipe)."""
+    update = BatchUpdate(policy, reference, cfg, rng)
+    update.add(datums_D)
+    return update.finish()

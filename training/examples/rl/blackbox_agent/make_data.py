@@ -11,12 +11,11 @@ same files.
 
 from __future__ import annotations
 
-import argparse
 import random
 from pathlib import Path
 
 from training.examples.rl.blackbox_agent.reward import ANSWER_FILE
-from training.utils.rl.dataset import read_jsonl, write_jsonl
+from training.utils.rl.dataset import GeneratedSplits
 
 DATA_DIR = Path(__file__).parent / "data"
 TASK_TEMPLATE = (
@@ -47,40 +46,16 @@ EXPRESSION_KINDS = [product_plus, sum_times, difference_of_products]
 
 def make_rows(count: int, seed: int, split: str) -> list[dict]:
     rng = random.Random(f"{split}-{seed}")
-    rows = []
-    for i in range(count):
-        expression, answer = rng.choice(EXPRESSION_KINDS)(rng)
-        rows.append({
-            "id": f"calc-{split}-{i}",
-            "task": TASK_TEMPLATE.format(expression=expression),
-            "expression": expression,
-            "answer": str(answer),
-        })
-    return rows
+    return [calculator_row(f"calc-{split}-{i}", *rng.choice(EXPRESSION_KINDS)(rng)) for i in range(count)]
 
 
-def write_default_files(train_rows: int = 256, eval_rows: int = 32, seed: int = 0) -> None:
-    write_jsonl(DATA_DIR / "train.jsonl", make_rows(train_rows, seed, "train"))
-    write_jsonl(DATA_DIR / "eval.jsonl", make_rows(eval_rows, seed, "eval"))
+def calculator_row(row_id: str, expression: str, answer: int) -> dict:
+    return {"id": row_id, "task": TASK_TEMPLATE.format(expression=expression), "expression": expression,
+            "answer": str(answer)}
 
 
-def load_split(split: str) -> list[dict]:
-    """Rows of data/{split}.jsonl ("train" or "eval"), writing the default files first if they are missing."""
-    path = DATA_DIR / f"{split}.jsonl"
-    if not path.is_file():
-        write_default_files()
-    return read_jsonl(path)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train", type=int, default=256, help="training rows")
-    parser.add_argument("--eval", type=int, default=32, help="held-out rows")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    write_default_files(args.train, args.eval, args.seed)
-    print(f"wrote {args.train} train and {args.eval} eval rows to {DATA_DIR}")
-
+SPLITS = GeneratedSplits(DATA_DIR, make_rows, train_rows=256, eval_rows=32)
+load_split = SPLITS.load
 
 if __name__ == "__main__":
-    main()
+    SPLITS.main(__doc__)

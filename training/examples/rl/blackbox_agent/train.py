@@ -15,16 +15,12 @@ from training.recipes.async_rl_loop import Config, main
 from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
 
 cfg = Config(
-    model="smollm2-135m-instruct",
-    completions_per_prompt=4,
-    prompt_groups_per_step=2,
-    max_steps=5,
-    max_head_offpolicy_versions=1,
-    sampling=SamplingConfig(max_tokens=64, temperature=1.0),
-    trainer=TrainerConfig(learning_rate=2e-5),
-    rollout_timeout_s=300,
-    agent_shim=AgentShimConfig(enabled=True),
-    log_path="runs/blackbox_agent",
+    model="smollm2-135m-instruct", log_path="runs/blackbox_agent",
+    # P rows × G agent runs a step; one step of overlap between rollouts and training.
+    completions_per_prompt=4, prompt_groups_per_step=2, max_steps=5, max_head_offpolicy_versions=1,
+    sampling=SamplingConfig(max_tokens=64, temperature=1.0), trainer=TrainerConfig(learning_rate=2e-5),
+    # The shim is the agent's model endpoint; one agent run may take minutes on a CPU.
+    agent_shim=AgentShimConfig(enabled=True), rollout_timeout_s=300,
 )
 runs_log = Path(cfg.log_path) / "agent_runs.jsonl"
 rollout_extras = {"max_turns": 3, "agent_timeout_s": 240, "runs_log": str(runs_log)}

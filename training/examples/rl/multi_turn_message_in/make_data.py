@@ -10,11 +10,10 @@ there is room to learn. The same seed writes the same files.
 
 from __future__ import annotations
 
-import argparse
 import random
 from pathlib import Path
 
-from training.utils.rl.dataset import read_jsonl, write_jsonl
+from training.utils.rl.dataset import GeneratedSplits
 
 DATA_DIR = Path(__file__).parent / "data"
 INSTRUCTION = "Put the final answer within \\boxed{}."
@@ -81,39 +80,16 @@ PROBLEM_KINDS = [one_gain, packs, packs_plus_loose, gain_then_loss]
 
 def make_rows(count: int, seed: int, split: str) -> list[dict]:
     rng = random.Random(f"{split}-{seed}")
-    rows = []
-    for i in range(count):
-        question, answer = rng.choice(PROBLEM_KINDS)(rng)
-        rows.append({
-            "id": f"arith-{split}-{i}",
-            "messages": WORKED_EXAMPLES + [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}],
-            "answer": str(answer),
-        })
-    return rows
+    return [problem_row(f"arith-{split}-{i}", *rng.choice(PROBLEM_KINDS)(rng)) for i in range(count)]
 
 
-def load_split(split: str) -> list[dict]:
-    """Rows of data/{split}.jsonl ("train" or "eval"), writing the default files first if they are missing."""
-    path = DATA_DIR / f"{split}.jsonl"
-    if not path.is_file():
-        write_default_files()
-    return read_jsonl(path)
+def problem_row(row_id: str, question: str, answer: int) -> dict:
+    messages = WORKED_EXAMPLES + [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}]
+    return {"id": row_id, "messages": messages, "answer": str(answer)}
 
 
-def write_default_files(train_rows: int = 512, eval_rows: int = 64, seed: int = 0) -> None:
-    write_jsonl(DATA_DIR / "train.jsonl", make_rows(train_rows, seed, "train"))
-    write_jsonl(DATA_DIR / "eval.jsonl", make_rows(eval_rows, seed, "eval"))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train", type=int, default=512, help="training rows")
-    parser.add_argument("--eval", type=int, default=64, help="held-out rows")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    write_default_files(args.train, args.eval, args.seed)
-    print(f"wrote {args.train} train and {args.eval} eval rows to {DATA_DIR}")
-
+SPLITS = GeneratedSplits(DATA_DIR, make_rows, train_rows=512, eval_rows=64)
+load_split = SPLITS.load
 
 if __name__ == "__main__":
-    main()
+    SPLITS.main(__doc__)

@@ -23,7 +23,7 @@ from training.recipes.rl_loop import Config
 from training.utils.deploy import start_embedded_deployment
 from training.utils.model import load_model_and_tokenizer
 from training.utils.rl.rollout.types import RolloutSample
-from training.utils.rl.setup import make_rollout_setup
+from training.utils.rl.wiring import make_rollout_setup
 
 
 async def roll_out(cfg: Config, rows: list[dict], samples_per_row: int) -> list[RolloutSample]:

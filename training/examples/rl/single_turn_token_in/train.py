@@ -23,15 +23,9 @@ def read_rows(name: str) -> list[dict]:
 
 
 cfg = Config(
-    model="smollm2-135m-instruct",
-    policy_loss="grpo",
-    completions_per_prompt=8,
-    prompt_groups_per_step=8,
-    max_steps=16,
-    max_head_offpolicy_versions=1,
-    trainer=TrainerConfig(learning_rate=2e-5),
-    sampling=SamplingConfig(max_tokens=12, temperature=1.0),
-    log_path="runs/single_turn_token_in",
+    model="smollm2-135m-instruct", policy_loss="grpo", log_path="runs/single_turn_token_in",
+    completions_per_prompt=8, prompt_groups_per_step=8, max_steps=16, max_head_offpolicy_versions=1,
+    sampling=SamplingConfig(max_tokens=12, temperature=1.0), trainer=TrainerConfig(learning_rate=2e-5),
 )
 
 if __name__ == "__main__":

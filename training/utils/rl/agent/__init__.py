@@ -10,13 +10,18 @@ A rollout opens a session on `setup.shim`, points its agent at `session.base_url
     finally:
         setup.shim.discard_session(session.key)  # a no-op once finished; frees a cancelled rollout's session
 
-`server.py` is the HTTP server and session API, `session.py` the per-session state machine,
-`chat_format.py` / `wire_anthropic.py` / `wire_openai.py` the translation between the wire
-formats, the chat template and the model's raw output.
+`server.py` is the HTTP server and session API, `session.py` the per-session state machine.
+Between the wire and the model: `wire_anthropic.py` / `wire_openai.py` (each declares a
+`wire_format.WireFormat`, registered in `server.WIRE_FORMATS`) translate requests into
+`chat_request.ChatRequest`s (with the shared field readers of `fields.py`), `chat_format.py`
+renders them with the chat template, and `hermes.py` is the text format for tools, tool calls
+and reasoning the template does not render. README: "The agent shim".
 """
 
 from training.utils.config import AgentShimConfig
-from training.utils.rl.agent.chat_format import ChatFormat, ChatRequest, ParsedOutput, WireError
+from training.utils.rl.agent.chat_format import ChatFormat
+from training.utils.rl.agent.chat_request import ChatRequest, WireError
+from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.agent.server import AgentShim
 from training.utils.rl.agent.session import (
     ContextOverflowError,

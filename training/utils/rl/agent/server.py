@@ -8,15 +8,16 @@
     run = await shim.finish_session(session.key, reward=1.0)   # a RolloutRun, or None
     await shim.close()
 
-Endpoints: `POST /v1/messages` (Anthropic, JSON or SSE), `POST /v1/messages/count_tokens`,
-`POST /v1/chat/completions` (OpenAI, JSON or SSE), `GET /v1/models`, `GET /healthz`.
+Endpoints: the routes of every wire format in `WIRE_FORMATS` (Anthropic's `POST /v1/messages`
+and `/v1/messages/count_tokens`, OpenAI's `POST /v1/chat/completions`, JSON or SSE), plus the
+shared `GET /v1/models` and `GET /healthz`.
 The session key comes from `Authorization: Bearer <key>`, then `x-api-key`, then
 `x-multi-turn-session-id`; an unknown or closed session is a 401 and sessions never merge.
 
 One model request, in its session's queue (`session.py` has the per-session steps):
 
-1. translate the body (`wire_anthropic` / `wire_openai`); a bad request is a 4xx in the wire's
-   error shape and touches no session state;
+1. translate the body (the wire's `TurnCodec`); a bad request is a 4xx in the wire's error
+   shape and touches no session state;
 2. resolve the turn's parent and render its prompt (`ShimSession.prepare`); no room left in
    the context is a 400 `context_length_exceeded`;
 3. sample token-in/token-out with the trainer's sampling parameters and the session's
@@ -38,8 +39,6 @@ import json
 import logging
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -47,7 +46,9 @@ from aiohttp import web
 
 from training.utils.config import AgentShimConfig
 from training.utils.errors import DeploymentError, RecoverableRolloutError
-from training.utils.rl.agent.chat_format import ChatFormat, ChatRequest, WireError
+from training.utils.rl.agent import wire_anthropic, wire_openai
+from training.utils.rl.agent.chat_format import ChatFormat
+from training.utils.rl.agent.chat_request import ChatRequest, WireError
 from training.utils.rl.agent.session import (
     COUNTERS,
     ContextOverflowError,
@@ -56,22 +57,7 @@ from training.utils.rl.agent.session import (
     ShimSession,
     StagedTurn,
 )
-from training.utils.rl.agent.wire_anthropic import (
-    anthropic_assistant_message,
-    anthropic_error_body,
-    anthropic_request,
-    anthropic_response,
-    anthropic_sse_events,
-    new_message_id,
-)
-from training.utils.rl.agent.wire_openai import (
-    new_completion_id,
-    openai_assistant_message,
-    openai_error_body,
-    openai_request,
-    openai_response,
-    openai_sse_chunks,
-)
+from training.utils.rl.agent.wire_format import RouteHandler, TurnCodec, WireFormat
 from training.utils.rl.rollout.stitching import Segment, TraceIntegrityError, check_turn, segments_to_run
 from training.utils.rl.rollout.types import RolloutRun
 
@@ -86,56 +72,9 @@ _CLOSED_KEYS_KEPT = 10_000
 # What a sampler call may fail with that is the deployment's fault, not the request's.
 _SAMPLING_FAILURES = (DeploymentError, RecoverableRolloutError, TimeoutError, ConnectionError, aiohttp.ClientError)
 
-
-class _Reject(Exception):
-    """An HTTP error answer, rendered in the wire format of the route that raised it."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.code = code
-
-
-@dataclass(frozen=True)
-class _Wire:
-    """One wire format's translation functions."""
-
-    name: str
-    parse: Callable[[Any], ChatRequest]
-    respond: Callable[..., dict]
-    """(parsed, response_id, *, model, finish_reason, prompt_tokens, output_tokens) -> response body"""
-    sse: Callable[[dict], list[bytes]]
-    """response -> stream events; the last two close the stream (Anthropic message_delta + message_stop,
-    OpenAI finish chunk + [DONE]), everything before them is the reply's content"""
-    echo: Callable[[dict], dict]
-    """response -> the assistant chat message a client sends back for it"""
-    new_id: Callable[[], str]
-
-    def error(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
-        if self.name == "anthropic":
-            body = anthropic_error_body(status, message)
-        else:
-            body = openai_error_body(status, message, param=param, code=code)
-        return web.json_response(body, status=status)
-
-
-ANTHROPIC = _Wire(
-    "anthropic",
-    anthropic_request,
-    lambda parsed, response_id, **kw: anthropic_response(parsed, message_id=response_id, **kw),
-    anthropic_sse_events,
-    anthropic_assistant_message,
-    new_message_id,
-)
-OPENAI = _Wire(
-    "openai",
-    openai_request,
-    lambda parsed, response_id, **kw: openai_response(parsed, completion_id=response_id, **kw),
-    openai_sse_chunks,
-    openai_assistant_message,
-    new_completion_id,
-)
+WIRE_FORMATS: dict[str, WireFormat] = {wire.name: wire for wire in (wire_anthropic.WIRE, wire_openai.WIRE)}
+"""Every wire format the server speaks, by name. A new one is a `wire_*.py` module declaring a `WireFormat`
+and an entry here: the app is built from this registry alone."""
 
 
 class AgentShim:
@@ -146,6 +85,9 @@ class AgentShim:
     temperature, top_p, top_k, stop, timeout), which override whatever a client asks for
     except a smaller max_tokens and extra stop sequences. `chat_format` renders prompts
     (default: `ChatFormat(tokenizer)`, the tokenizer's own chat template).
+
+    The wire formats' route handlers call it as a `wire_format.WireServer`: `session_for`,
+    `read_json` and `model_call`.
     """
 
     def __init__(
@@ -298,72 +240,72 @@ class AgentShim:
         while len(self._closed_keys) > _CLOSED_KEYS_KEPT:
             self._closed_keys.popitem(last=False)
 
-    def _session_for(self, request: web.Request) -> ShimSession:
+    # ------------------------------------------------------------------ what route handlers call (WireServer)
+
+    def session_for(self, request: web.Request) -> ShimSession:
+        """The open session whose key the request presents; a WireError 401 otherwise."""
         keys = _presented_keys(request)
         if not keys:
-            raise _Reject(401, "no session key: send it as 'Authorization: Bearer <key>', 'x-api-key' or "
-                               "'x-multi-turn-session-id'")
+            raise WireError("no session key: send it as 'Authorization: Bearer <key>', 'x-api-key' or "
+                            "'x-multi-turn-session-id'", status=401)
         for key in keys:
             session = self._sessions.get(key)
             if session is not None and not session.closed:
                 return session
         if any(key in self._sessions or key in self._closed_keys for key in keys):
-            raise _Reject(401, "session is closed")
-        raise _Reject(401, "unknown session key")
+            raise WireError("session is closed", status=401)
+        raise WireError("unknown session key", status=401)
+
+    async def read_json(self, request: web.Request) -> Any:
+        """The request body as JSON; a WireError 413 (too large), 408 (too slow) or 400 (not JSON) otherwise."""
+        try:
+            raw = await asyncio.wait_for(request.read(), self.cfg.request_timeout_s)
+        except web.HTTPRequestEntityTooLarge:
+            raise WireError(f"the request body exceeds {self.cfg.max_body_bytes} bytes (agent_shim.max_body_bytes)",
+                            status=413) from None
+        except TimeoutError:
+            raise WireError(f"the request body did not arrive within {self.cfg.request_timeout_s:g}s",
+                            status=408) from None
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise WireError(f"the request body is not valid JSON: {e}") from None
+
+    async def model_call(self, request: web.Request, codec: TurnCodec) -> web.StreamResponse:
+        """Answer one model request in its session's queue and record the turn (steps 1-6 of this module)."""
+        session = self.session_for(request)
+        # 1. Translate before queueing: a bad request waits for nothing and changes nothing.
+        chat = codec.parse(await self.read_json(request))
+        try:
+            async with session.queue.turn(self.cfg.request_timeout_s):
+                if session.closed:
+                    raise WireError("session is closed", status=401)
+                return await self._turn(request, session, chat, codec)
+        except QueueTimeoutError as e:
+            raise WireError(str(e), status=503) from None
 
     # ------------------------------------------------------------------ HTTP plumbing
 
     def _make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=self.cfg.max_body_bytes)
-        app.router.add_post("/v1/messages", self._messages)
-        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
-        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        wires = list(WIRE_FORMATS.values())
+        app = web.Application(middlewares=[_error_middleware(wires)], client_max_size=self.cfg.max_body_bytes)
+        for wire in wires:
+            for route in wire.routes:
+                app.router.add_route(route.method, route.path, self._serve(wire, route.handler))
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
         return app
 
-    @web.middleware
-    async def _middleware(self, request: web.Request, handler):
-        wire = ANTHROPIC if request.path.startswith("/v1/messages") else OPENAI
-        try:
-            return await handler(request)
-        except web.HTTPException as e:  # unknown route or method: keep the JSON error shape
-            return wire.error(e.status, f"{request.method} {request.path}: {e.reason}")
-        except Exception as e:  # noqa: BLE001 - a bug answers 500 and the server keeps serving
-            logger.exception("agent shim: unhandled error in %s %s", request.method, request.path)
-            return wire.error(500, f"internal error: {e!r}")
+    def _serve(self, wire: WireFormat, handler: RouteHandler):
+        """An aiohttp handler for one route of `wire`: what it rejects is answered in that wire's error shape."""
 
-    async def _read_json(self, request: web.Request) -> Any:
-        try:
-            raw = await asyncio.wait_for(request.read(), self.cfg.request_timeout_s)
-        except web.HTTPRequestEntityTooLarge:
-            raise _Reject(413, f"the request body exceeds {self.cfg.max_body_bytes} bytes "
-                               "(agent_shim.max_body_bytes)") from None
-        except TimeoutError:
-            raise _Reject(408, f"the request body did not arrive within {self.cfg.request_timeout_s:g}s") from None
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _Reject(400, f"the request body is not valid JSON: {e}") from None
+        async def serve(request: web.Request) -> web.StreamResponse:
+            try:
+                return await handler(self, request)
+            except WireError as e:
+                return wire.error_response(e.status, str(e), param=e.param, code=e.code)
 
-    # ------------------------------------------------------------------ endpoints
-
-    async def _messages(self, request: web.Request) -> web.StreamResponse:
-        return await self._model_call(request, ANTHROPIC)
-
-    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._model_call(request, OPENAI)
-
-    async def _count_tokens(self, request: web.Request) -> web.Response:
-        try:
-            self._session_for(request)
-            body = await self._read_json(request)
-            count = self.chat_format.count_tokens(anthropic_request(body))
-        except _Reject as e:
-            return ANTHROPIC.error(e.status, str(e))
-        except WireError as e:
-            return ANTHROPIC.error(e.status, str(e))
-        return web.json_response({"input_tokens": count})
+        return serve
 
     async def _models(self, request: web.Request) -> web.Response:
         # One body both SDKs read: OpenAI's list (object/owned_by) and Anthropic's (type/display_name).
@@ -383,28 +325,14 @@ class AgentShim:
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "sessions_open": len(self._sessions)})
 
-    async def _model_call(self, request: web.Request, wire: _Wire) -> web.StreamResponse:
-        try:
-            session = self._session_for(request)
-            # 1. Translate before queueing: a bad request waits for nothing and changes nothing.
-            chat = wire.parse(await self._read_json(request))
-            async with session.queue.turn(self.cfg.request_timeout_s):
-                if session.closed:
-                    raise _Reject(401, "session is closed")
-                return await self._turn(request, session, chat, wire)
-        except _Reject as e:
-            return wire.error(e.status, str(e), param=e.param, code=e.code)
-        except WireError as e:
-            return wire.error(e.status, str(e), param=e.param)
-        except QueueTimeoutError as e:
-            return wire.error(503, str(e))
+    # ------------------------------------------------------------------ one model call, steps 2-6
 
-    async def _turn(self, request: web.Request, session: ShimSession, chat: ChatRequest, wire: _Wire):
+    async def _turn(self, request: web.Request, session: ShimSession, chat: ChatRequest, codec: TurnCodec):
         # 2. Parent and prompt.
         try:
             prepared = session.prepare(chat)
         except ContextOverflowError as e:
-            raise _Reject(400, str(e), param="messages", code="context_length_exceeded") from None
+            raise WireError(str(e), status=400, param="messages", code="context_length_exceeded") from None
         # 3. Sample with the trainer's parameters and the session's affinity key.
         try:
             sampling = self._sample(session, prepared.prompt_ids, prepared.max_tokens, chat.stop)
@@ -415,7 +343,7 @@ class AgentShim:
             # The deployment rejected the request itself (a 4xx): retrying cannot help, so neither
             # may the client; anything else (timeouts, 5xx after retries) is a transient 503.
             status = 400 if isinstance(e, DeploymentError) and not isinstance(e, RecoverableRolloutError) else 503
-            raise _Reject(status, f"sampling failed: {e or type(e).__name__}") from None
+            raise WireError(f"sampling failed: {e or type(e).__name__}", status=status) from None
         # 4. The answer must be exactly what was asked for.
         try:
             if len(completions) != 1:
@@ -426,25 +354,25 @@ class AgentShim:
             session.count("integrity_failures")
             session.first_error = session.first_error or str(e)
             logger.warning("agent shim session %s: trace integrity: %s", session.run_id or session.key[:13], e)
-            raise _Reject(503, f"trace integrity check failed: {e}") from None
+            raise WireError(f"trace integrity check failed: {e}", status=503) from None
         # 5. Reply and staged record.
         parsed = self.chat_format.parse_output(record.output_ids, record.finish_reason)
         if parsed.parser_fallback:
             session.count("parser_fallbacks")
-        response_id = wire.new_id()
-        response = wire.respond(
+        response_id = codec.new_id()
+        response = codec.respond(
             parsed, response_id, model=chat.model or self.model_name, finish_reason=record.finish_reason,
             prompt_tokens=len(record.prompt_ids), output_tokens=len(record.output_ids),
         )
         try:
-            staged = session.stage(prepared, completions[0], record, parsed, wire.echo(response), response_id)
+            staged = session.stage(prepared, completions[0], record, parsed, codec.echo(response), response_id)
         except Exception as e:  # noqa: BLE001 - the client must not build on a turn we cannot record
             session.count("recording_failures")
             session.first_error = session.first_error or f"trace recording failed: {e!r}"
             logger.exception("agent shim session %s: trace recording failed", session.run_id or session.key[:13])
-            raise _Reject(503, f"trace recording failed: {e!r}") from None
+            raise WireError(f"trace recording failed: {e!r}", status=503) from None
         # 6. Send, then record.
-        return await self._deliver(request, session, staged, response, wire, chat.stream)
+        return await self._deliver(request, session, staged, response, codec, chat.stream)
 
     async def _sample(self, session: ShimSession, prompt_ids: list[int], max_tokens: int, client_stop: list[str]):
         kw = self.sample_kwargs
@@ -462,7 +390,8 @@ class AgentShim:
         )
 
     async def _deliver(
-        self, request: web.Request, session: ShimSession, staged: StagedTurn, response: dict, wire: _Wire, stream: bool
+        self, request: web.Request, session: ShimSession, staged: StagedTurn, response: dict, codec: TurnCodec,
+        stream: bool,
     ) -> web.StreamResponse:
         """Write the reply; record the turn once its content is written. A client gone before that records nothing."""
         timeout = self.cfg.request_timeout_s
@@ -476,7 +405,7 @@ class AgentShim:
                 await asyncio.wait_for(resp.write_eof(), timeout)
                 recorded = self._record(session, staged)
                 return resp
-            events = wire.sse(response)
+            events = codec.stream(response)
             content, closing = events[:-2], events[-2:]
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await asyncio.wait_for(resp.prepare(request), timeout)
@@ -518,3 +447,23 @@ def _presented_keys(request: web.Request) -> list[str]:
         if value and value not in keys:
             keys.append(value)
     return keys
+
+
+def _error_middleware(wires: list[WireFormat]):
+    """Answers what no route handled (an unknown route or method, a bug) in the error shape of the path's wire."""
+    if not any(wire.prefix == "/" for wire in wires):
+        raise ValueError("one wire format must claim the prefix '/': its error shape answers every other path")
+    by_prefix = sorted(wires, key=lambda wire: len(wire.prefix), reverse=True)
+
+    @web.middleware
+    async def answer_errors(request: web.Request, handler):
+        wire = next(wire for wire in by_prefix if request.path.startswith(wire.prefix))
+        try:
+            return await handler(request)
+        except web.HTTPException as e:  # unknown route or method: keep the JSON error shape
+            return wire.error_response(e.status, f"{request.method} {request.path}: {e.reason}")
+        except Exception as e:  # noqa: BLE001 - a bug answers 500 and the server keeps serving
+            logger.exception("agent shim: unhandled error in %s %s", request.method, request.path)
+            return wire.error_response(500, f"internal error: {e!r}")
+
+    return answer_errors

@@ -30,7 +30,9 @@ from typing import Any
 
 from training.utils.config import AgentShimConfig
 from training.utils.errors import RecoverableRolloutError, TrainingError
-from training.utils.rl.agent.chat_format import ChatFormat, ChatRequest, ParsedOutput
+from training.utils.rl.agent.chat_format import ChatFormat
+from training.utils.rl.agent.chat_request import ChatRequest
+from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.rollout.messages import ChatAssembler, ChatAssemblyError
 from training.utils.rl.rollout.stitching import Segment, TurnRecord, TurnTree
 from training.utils.rl.rollout.turn_matching import (
@@ -229,8 +231,8 @@ class ShimSession:
     def num_turns(self) -> int:
         return self.counters["turns"]
 
-    def count(self, name: str, n: int = 1) -> None:
-        self.counters[name] += n
+    def count(self, name: str) -> None:
+        self.counters[name] += 1
 
     # ------------------------------------------------------------------ 1. prepare
 

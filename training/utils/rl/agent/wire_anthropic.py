@@ -1,4 +1,4 @@
-"""The Anthropic Messages wire format: request translation, JSON and SSE responses, error bodies.
+"""The Anthropic Messages wire format (`WIRE`): `POST /v1/messages` (JSON or SSE) and `POST /v1/messages/count_tokens`.
 
 Request -> `ChatRequest`: `system` (a string or text blocks) is the leading system text, with
 blocks joined by a blank line and the volatile `x-anthropic-billing-header:` block dropped (it
@@ -22,24 +22,14 @@ import json
 import secrets
 from typing import Any
 
-from training.utils.rl.agent.chat_format import (
-    ChatRequest,
-    ParsedOutput,
-    WireError,
-    check_tool_names,
-    function_tool,
-    read_bool,
-    read_messages,
-    read_model,
-    read_optional_int,
-    read_string_list,
-    read_tool_list,
-    retag_tool_call_id,
-    system_reminder,
-)
-from training.utils.rl.rollout.turn_matching import canonical_json
+from aiohttp import web
 
-BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+from training.utils.rl.agent import fields
+from training.utils.rl.agent.chat_request import ChatRequest, WireError, system_reminder
+from training.utils.rl.agent.hermes import ParsedOutput, decoded_arguments, retag_tool_call_id
+from training.utils.rl.agent.wire_format import Route, TurnCodec, WireFormat, WireServer, model_call_route
+from training.utils.rl.rollout.turn_matching import BILLING_HEADER_PREFIX, canonical_json
+
 TOOL_USE_ID_PREFIX = "toolu_"
 
 _ERROR_TYPES = {
@@ -64,16 +54,16 @@ def new_message_id() -> str:
 def anthropic_request(body: Any) -> ChatRequest:
     """Validate a Messages (or count_tokens) request body and translate it; WireError names the bad field."""
     chat_messages: list[dict] = []
-    for i, message in enumerate(read_messages(body)):
+    for i, message in enumerate(fields.messages(body)):
         chat_messages += _translate_message(message, f"messages[{i}]")
     return ChatRequest(
         system=_system_text(body.get("system")),
         messages=chat_messages,
-        tools=_translate_tools(body.get("tools")),
-        max_tokens=read_optional_int(body, "max_tokens", minimum=1),
-        stop=read_string_list(body, "stop_sequences", allow_string=False),
-        stream=read_bool(body, "stream"),
-        model=read_model(body),
+        tools=fields.tools(body.get("tools"), _function_tool, "tools[{}].name"),
+        max_tokens=fields.optional_int(body, "max_tokens", minimum=1),
+        stop=fields.string_list(body, "stop_sequences", allow_string=False),
+        stream=fields.flag(body, "stream"),
+        model=fields.model(body),
     )
 
 
@@ -132,9 +122,7 @@ def _user_messages(blocks: list[dict], param: str) -> list[dict]:
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
-            tool_use_id = block.get("tool_use_id")
-            if not isinstance(tool_use_id, str) or not tool_use_id:
-                raise WireError(f"{where}.tool_use_id must be a non-empty string", param=f"{where}.tool_use_id")
+            tool_use_id = fields.nonempty_string(block.get("tool_use_id"), f"{where}.tool_use_id")
             out.append({"role": "tool", "content": _tool_result_text(block.get("content"), where),
                         "tool_call_id": tool_use_id})
         elif kind in ("tool_use", "thinking", "redacted_thinking"):
@@ -173,52 +161,28 @@ def _assistant_message(blocks: list[dict], param: str) -> dict:
 
 
 def _tool_use_call(block: dict, where: str) -> dict:
-    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
-    if not isinstance(call_id, str) or not call_id:
-        raise WireError(f"{where}.id must be a non-empty string", param=f"{where}.id")
-    if not isinstance(name, str) or not name:
-        raise WireError(f"{where}.name must be a non-empty string", param=f"{where}.name")
+    call_id = fields.nonempty_string(block.get("id"), f"{where}.id")
+    name = fields.nonempty_string(block.get("name"), f"{where}.name")
+    arguments = block.get("input", {})
     if not isinstance(arguments, dict):
         raise WireError(f"{where}.input must be an object, got {type(arguments).__name__}", param=f"{where}.input")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": canonical_json(arguments)}}
 
 
 def _block_text(block: dict, where: str) -> str:
-    """Text of a content block; media the text-only prompt cannot carry becomes a placeholder."""
-    if block["type"] == "text":
-        if not isinstance(block.get("text"), str):
-            raise WireError(f"{where}.text must be a string", param=f"{where}.text")
-        return block["text"]
-    return f"[{block['type']} omitted]"
+    return fields.part_text(block, where, ("text",))
 
 
 def _tool_result_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise WireError(f"{where}.content must be a string or a list of blocks", param=f"{where}.content")
-    texts = []
-    for k, block in enumerate(content):
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise WireError(f"{where}.content[{k}] must be a block with a string 'type'", param=f"{where}.content[{k}]")
-        texts.append(_block_text(block, f"{where}.content[{k}]"))
-    return "\n".join(texts)
+    return fields.content_text(content, f"{where}.content", text_types=("text",), part="block",
+                               accepted="a string or a list of blocks")
 
 
-def _translate_tools(tools: Any) -> list[dict]:
-    out = []
-    for i, tool in enumerate(read_tool_list(tools)):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise WireError(f"{where} must be an object", param=where)
-        if tool.get("type") not in (None, "custom") and "input_schema" not in tool:
-            continue  # a server tool (e.g. web_search) that only Anthropic's own servers run
-        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
-                                 params=(f"{where}.name", f"{where}.description", f"{where}.input_schema")))
-    check_tool_names(out, "tools[{}].name")
-    return out
+def _function_tool(tool: dict, where: str) -> dict | None:
+    if tool.get("type") not in (None, "custom") and "input_schema" not in tool:
+        return None  # a server tool (e.g. web_search) that only Anthropic's own servers run
+    return fields.function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
+                                params=(f"{where}.name", f"{where}.description", f"{where}.input_schema"))
 
 
 # ---------------------------------------------------------------------------- responses
@@ -231,7 +195,7 @@ def anthropic_stop_reason(parsed: ParsedOutput, finish_reason: str) -> str:
 
 
 def anthropic_response(
-    parsed: ParsedOutput, *, message_id: str, model: str, finish_reason: str, prompt_tokens: int, output_tokens: int
+    parsed: ParsedOutput, message_id: str, *, model: str, finish_reason: str, prompt_tokens: int, output_tokens: int
 ) -> dict:
     """A Messages API `message` object: thinking, text, then one tool_use block per call."""
     content: list[dict] = []
@@ -265,10 +229,7 @@ def anthropic_response(
 
 
 def _tool_input(arguments: str) -> dict:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        value = None
+    value = decoded_arguments(arguments)
     # tool_use.input must be an object; parsed calls always are, anything else is kept visible.
     return value if isinstance(value, dict) else {"_raw_arguments": arguments}
 
@@ -318,7 +279,27 @@ def anthropic_assistant_message(response: dict) -> dict:
     return message
 
 
-def anthropic_error_body(status: int, message: str) -> dict:
-    """The Messages API error shape for an HTTP status."""
+def anthropic_error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    """The Messages API error shape for an HTTP status; it has no field for `param` or `code`."""
+    del param, code
     error_type = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+# ---------------------------------------------------------------------------- the wire format
+
+async def count_tokens(server: WireServer, request: web.Request) -> web.Response:
+    server.session_for(request)
+    count = server.chat_format.count_tokens(anthropic_request(await server.read_json(request)))
+    return web.json_response({"input_tokens": count})
+
+
+CODEC = TurnCodec(parse=anthropic_request, respond=anthropic_response, stream=anthropic_sse_events,
+                  echo=anthropic_assistant_message, new_id=new_message_id)
+
+WIRE = WireFormat(
+    name="anthropic",
+    prefix="/v1/messages",
+    routes=(model_call_route("/v1/messages", CODEC), Route("POST", "/v1/messages/count_tokens", count_tokens)),
+    error_body=anthropic_error_body,
+)

@@ -1,4 +1,4 @@
-"""The OpenAI Chat Completions wire format: request translation, JSON and SSE responses, error bodies.
+"""The OpenAI Chat Completions wire format (`WIRE`): `POST /v1/chat/completions` (JSON or SSE).
 
 Request -> `ChatRequest`: a leading `system` or `developer` message is the system text; a later
 one is folded in place into a `<system-reminder>` user message. Content may be a string, null,
@@ -20,20 +20,10 @@ import secrets
 import time
 from typing import Any
 
-from training.utils.rl.agent.chat_format import (
-    ChatRequest,
-    ParsedOutput,
-    WireError,
-    check_tool_names,
-    function_tool,
-    read_bool,
-    read_messages,
-    read_model,
-    read_optional_int,
-    read_string_list,
-    read_tool_list,
-    system_reminder,
-)
+from training.utils.rl.agent import fields
+from training.utils.rl.agent.chat_request import ChatRequest, WireError, system_reminder
+from training.utils.rl.agent.hermes import ParsedOutput
+from training.utils.rl.agent.wire_format import TurnCodec, WireFormat, model_call_route
 from training.utils.rl.rollout.turn_matching import canonical_arguments
 
 _ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
@@ -49,7 +39,7 @@ def new_completion_id() -> str:
 
 def openai_request(body: Any) -> ChatRequest:
     """Validate a chat.completions request body and translate it; WireError names the bad field."""
-    messages = read_messages(body)
+    messages = fields.messages(body)
     n = body.get("n")
     if n is not None and n != 1:
         raise WireError(f"n must be 1 (the shim samples one reply per request), got {n!r}", param="n")
@@ -63,17 +53,17 @@ def openai_request(body: Any) -> ChatRequest:
             chat_messages.append(system_reminder(translated["content"]))
         else:
             chat_messages.append(translated)
-    max_tokens = read_optional_int(body, "max_completion_tokens", minimum=1)
+    max_tokens = fields.optional_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
-        max_tokens = read_optional_int(body, "max_tokens", minimum=1)
+        max_tokens = fields.optional_int(body, "max_tokens", minimum=1)
     return ChatRequest(
         system=system,
         messages=chat_messages,
-        tools=_translate_tools(body.get("tools")),
+        tools=fields.tools(body.get("tools"), _function_tool, "tools[{}].function.name"),
         max_tokens=max_tokens,
-        stop=read_string_list(body, "stop", allow_string=True),
-        stream=read_bool(body, "stream"),
-        model=read_model(body),
+        stop=fields.string_list(body, "stop", allow_string=True),
+        stream=fields.flag(body, "stream"),
+        model=fields.model(body),
     )
 
 
@@ -90,9 +80,7 @@ def _translate_message(message: Any, param: str) -> dict:
     if role == "user":
         return {"role": "user", "content": content}
     if role == "tool":
-        tool_call_id = message.get("tool_call_id")
-        if not isinstance(tool_call_id, str) or not tool_call_id:
-            raise WireError(f"{param}.tool_call_id must be a non-empty string", param=f"{param}.tool_call_id")
+        tool_call_id = fields.nonempty_string(message.get("tool_call_id"), f"{param}.tool_call_id")
         return {"role": "tool", "content": content, "tool_call_id": tool_call_id}
     out: dict[str, Any] = {"role": "assistant", "content": content}
     tool_calls = message.get("tool_calls")
@@ -109,59 +97,32 @@ def _translate_message(message: Any, param: str) -> dict:
 
 
 def _content_text(content: Any, param: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise WireError(f"{param} must be a string, null or a list of parts", param=param)
-    texts = []
-    for j, part in enumerate(content):
-        where = f"{param}[{j}]"
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise WireError(f"{where} must be a part with a string 'type'", param=where)
-        if part["type"] in ("text", "refusal"):
-            text = part.get(part["type"])
-            if not isinstance(text, str):
-                raise WireError(f"{where}.{part['type']} must be a string", param=f"{where}.{part['type']}")
-            texts.append(text)
-        else:
-            texts.append(f"[{part['type']} omitted]")
-    return "\n".join(texts)
+    return fields.content_text(content, param, text_types=("text", "refusal"), part="part",
+                               accepted="a string, null or a list of parts")
 
 
 def _tool_call(call: Any, param: str) -> dict:
     if not isinstance(call, dict):
         raise WireError(f"{param} must be an object", param=param)
-    call_id, function = call.get("id"), call.get("function")
-    if not isinstance(call_id, str) or not call_id:
-        raise WireError(f"{param}.id must be a non-empty string", param=f"{param}.id")
+    call_id, function = fields.nonempty_string(call.get("id"), f"{param}.id"), call.get("function")
     if not isinstance(function, dict):
         raise WireError(f"{param}.function must be an object", param=f"{param}.function")
-    name, arguments = function.get("name"), function.get("arguments")
-    if not isinstance(name, str) or not name:
-        raise WireError(f"{param}.function.name must be a non-empty string", param=f"{param}.function.name")
+    name = fields.nonempty_string(function.get("name"), f"{param}.function.name")
+    arguments = function.get("arguments")
     if arguments is None or arguments == "":
         arguments = {}
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": canonical_arguments(arguments)}}
 
 
-def _translate_tools(tools: Any) -> list[dict]:
-    out = []
-    for i, tool in enumerate(read_tool_list(tools)):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise WireError(f"{where} must be an object", param=where)
-        if tool.get("type") != "function":
-            raise WireError(f"{where}.type must be 'function', got {tool.get('type')!r}", param=f"{where}.type")
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise WireError(f"{where}.function must be an object", param=f"{where}.function")
-        fields = tuple(f"{where}.function.{name}" for name in ("name", "description", "parameters"))
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
-        out.append(function_tool(function.get("name"), function.get("description"), parameters, params=fields))
-    check_tool_names(out, "tools[{}].function.name")
-    return out
+def _function_tool(tool: dict, where: str) -> dict:
+    if tool.get("type") != "function":
+        raise WireError(f"{where}.type must be 'function', got {tool.get('type')!r}", param=f"{where}.type")
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise WireError(f"{where}.function must be an object", param=f"{where}.function")
+    paths = tuple(f"{where}.function.{name}" for name in ("name", "description", "parameters"))
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    return fields.function_tool(function.get("name"), function.get("description"), parameters, params=paths)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -175,8 +136,8 @@ def openai_finish_reason(parsed: ParsedOutput, finish_reason: str) -> str:
 
 def openai_response(
     parsed: ParsedOutput,
-    *,
     completion_id: str,
+    *,
     model: str,
     finish_reason: str,
     prompt_tokens: int,
@@ -241,3 +202,17 @@ def openai_error_body(status: int, message: str, *, param: str | None = None, co
     """The OpenAI error shape for an HTTP status."""
     error_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------------------- the wire format
+
+CODEC = TurnCodec(parse=openai_request, respond=openai_response, stream=openai_sse_chunks,
+                  echo=openai_assistant_message, new_id=new_completion_id)
+
+WIRE = WireFormat(
+    name="openai",
+    # OpenAI's error shape also answers every path no other wire claims: /v1/models, /healthz, unknown routes.
+    prefix="/",
+    routes=(model_call_route("/v1/chat/completions", CODEC),),
+    error_body=openai_error_body,
+)

@@ -1,4 +1,4 @@
-"""Batches and chunks between the producer and the trainer (DESIGN.md §4.1).
+"""Batches and chunks between the producer and the trainer (skills/dev/references/rl/async-rl.md §2).
 
 Accepted groups fill optimizer batches of P groups in completion order. Each batch is
 split into K chunks (`balanced_chunk_targets`); a chunk is handed to the trainer as soon

@@ -1,4 +1,4 @@
-"""The off-policy gate (DESIGN.md §4.2): how many rows the producer may have outstanding.
+"""The off-policy gate (skills/dev/references/rl/async-rl.md §3): how many rows the producer may have outstanding.
 
 Symbols: G draws per row, P rows per batch, B = P·G sample slots per batch,
 O = `max_head_offpolicy_versions`, C = `max_concurrency_rollout_sample` (None: no cap),

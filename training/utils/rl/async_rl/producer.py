@@ -29,8 +29,7 @@ from typing import Any
 from training.utils.rl.async_rl.coordinator import AcceptedRow, Batch, BatchCoordinator
 from training.utils.rl.async_rl.errors import CircuitBreaker, RolloutStallError
 from training.utils.rl.async_rl.gate import OffPolicyGate
-from training.utils.rl.async_rl.source import DurableRowSource
-from training.utils.rl.dataset import RowItem
+from training.utils.rl.dataset import DurableRowSource, RowItem
 from training.utils.rl.groups import SettledRow
 from training.utils.rl.rollout.invoke import DrawResult, run_draw
 from training.utils.rl.rollout.types import PromptGroup
@@ -44,7 +43,7 @@ GroupFn = Callable[[SettledRow], tuple[PromptGroup | None, str]]
 
 
 def make_draw_fn(rollout_fn, context_keys: tuple[str, ...], *, vocab_size: int | None, timeout_s: float) -> DrawFn:
-    """Bind the user's rollout function to the context of one draw (DESIGN.md §3.1)."""
+    """Bind the user's rollout function to the context of one draw (README: What you write)."""
 
     async def draw(item: RowItem, sample_index: int, submit_version: int) -> DrawResult:
         context = dict(cursor_index=item.cursor_index, row_index=item.row_index, epoch=item.epoch,

@@ -56,9 +56,6 @@ class ChatAssemblyError(TrainingError, ValueError):
         super().__init__(message)
         self.message_index = message_index
 
-    def __reduce__(self):
-        return (type(self), (str(self), self.message_index))
-
 
 class HistoryRewriteError(ChatAssemblyError):
     """The messages of a later turn change or drop a message that is already part of the token sequence."""

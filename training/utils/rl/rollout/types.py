@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training.utils.errors import RolloutContractError
+from training.utils.trainer.batching import Datum
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -68,28 +69,6 @@ class RolloutSetup:
     """Free-form user values from `main(..., rollout_extras=...)`."""
     shim: Any = None
     """Handle to open agent-shim sessions, when the shim is enabled."""
-
-
-@dataclass
-class Datum:
-    """One segment shifted by one for next-token training."""
-
-    input_ids: list[int]
-    """tokens[:-1]"""
-    target_ids: list[int]
-    """tokens[1:]"""
-    weights: list[float]
-    """loss_mask[1:]: 1.0 where the target is trained."""
-    behaviour_logprobs: list[float]
-    """logprobs[1:]: the sampler's logprob of each target."""
-    advantage: float
-    prompt_len: int
-    """Tokens before the first trainable token (the first target index with weight 1 is prompt_len - 1)."""
-    versions: list[int] | None = None
-    """versions[1:] when the sampler reported them."""
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
 
 
 @dataclass
@@ -173,43 +152,53 @@ def validate_run(result: Any, *, row_id: Any, draw_index: int, vocab_size: int |
 
 
 def _validate_sample(sample: RolloutSample, where: str, vocab_size: int | None) -> None:
+    _check_lengths(sample, where)
+    _check_reward_and_finish(sample, where)
+    _check_mask(sample.loss_mask, where)
+    _check_tokens(sample.tokens, where, vocab_size)
+    for i, (lp, m) in enumerate(zip(sample.logprobs, sample.loss_mask)):
+        if m == 1 and not (isinstance(lp, (int, float)) and math.isfinite(lp)):
+            raise RolloutContractError(f"{where}: logprobs[{i}] is {lp!r} at a trained position; expected finite")
+        if m == 1 and lp > 1e-6:
+            raise RolloutContractError(f"{where}: logprobs[{i}] is {lp}, a log-probability must be <= 0")
+
+
+def _check_lengths(sample: RolloutSample, where: str) -> None:
     n = len(sample.tokens)
-    for name in ("logprobs", "loss_mask"):
-        if len(getattr(sample, name)) != n:
-            raise RolloutContractError(
-                f"{where}: tokens has {n} entries but {name} has {len(getattr(sample, name))}"
-            )
-    if sample.versions is not None and len(sample.versions) != n:
-        raise RolloutContractError(f"{where}: tokens has {n} entries but versions has {len(sample.versions)}")
+    for name in ("logprobs", "loss_mask", "versions"):
+        values = getattr(sample, name)
+        if values is not None and len(values) != n:
+            raise RolloutContractError(f"{where}: tokens has {n} entries but {name} has {len(values)}")
     if n < 2:
         raise RolloutContractError(f"{where}: tokens has {n} entries; a trainable sequence needs at least 2")
+
+
+def _check_reward_and_finish(sample: RolloutSample, where: str) -> None:
     if not isinstance(sample.reward, (int, float)) or isinstance(sample.reward, bool):
         raise RolloutContractError(f"{where}: reward is {type(sample.reward).__name__}, expected a float")
     if not math.isfinite(sample.reward):
         raise RolloutContractError(f"{where}: reward is {sample.reward}, expected a finite float")
     if not isinstance(sample.finish_reason, str):
         raise RolloutContractError(f"{where}: finish_reason is {sample.finish_reason!r}, expected a string")
-    for i, m in enumerate(sample.loss_mask):
+
+
+def _check_mask(loss_mask: list[int], where: str) -> None:
+    for i, m in enumerate(loss_mask):
         if m not in (0, 1):
             raise RolloutContractError(f"{where}: loss_mask[{i}] is {m!r}; entries must be 0 or 1")
-    if sample.loss_mask[0] == 1:
+    if loss_mask[0] == 1:
         raise RolloutContractError(
-            f"{where}: loss_mask[0] is 1, but the first token has no context to be predicted from"
-        )
-    if not any(sample.loss_mask):
+            f"{where}: loss_mask[0] is 1, but the first token has no context to be predicted from")
+    if not any(loss_mask):
         raise RolloutContractError(f"{where}: loss_mask has no 1 entries; nothing would be trained")
-    for i, tok in enumerate(sample.tokens):
+
+
+def _check_tokens(tokens: list[int], where: str, vocab_size: int | None) -> None:
+    for i, tok in enumerate(tokens):
         if not isinstance(tok, int) or isinstance(tok, bool):
             raise RolloutContractError(f"{where}: tokens[{i}] is {tok!r}, expected an int token id")
         if tok < 0 or (vocab_size is not None and tok >= vocab_size):
-            raise RolloutContractError(
-                f"{where}: tokens[{i}] is {tok}, outside the vocabulary [0, {vocab_size})"
-            )
-    for i, (lp, m) in enumerate(zip(sample.logprobs, sample.loss_mask)):
-        if m == 1 and not (isinstance(lp, (int, float)) and math.isfinite(lp)):
-            raise RolloutContractError(f"{where}: logprobs[{i}] is {lp!r} at a trained position; expected finite")
-        if m == 1 and lp > 1e-6:
-            raise RolloutContractError(f"{where}: logprobs[{i}] is {lp}, a log-probability must be <= 0")
+            raise RolloutContractError(f"{where}: tokens[{i}] is {tok}, outside the vocabulary [0, {vocab_size})")
 
 
 def pack_run(run: RolloutRun, advantage: float) -> list[Datum]:

@@ -1,12 +1,14 @@
-"""Kill the async recipe at several points (SIGKILL, and Ctrl-C), resume, and check no row is lost or repeated.
+"""Kill either recipe at several points (SIGKILL, and Ctrl-C), resume, and check no row is lost or repeated.
 
-Run as a script, this file is the training process: `python test_async_resume.py LOG_PATH KILL_AT`
-trains 2 epochs of 8 rows (P=2, G=2, O=1 → 8 steps, a checkpoint every 2) and kills itself at
+Run as a script, this file is the training process: `python test_resume.py RECIPE LOG_PATH KILL_AT`
+trains 2 epochs of 8 rows with RECIPE (`async_rl_loop` with O=1, or `rl_loop`; P=2, G=2 → 8 steps,
+a checkpoint every 2) and kills itself at
 `KILL_AT`: `rollout:N` (the N-th rollout call), `optimizer:N` (right after the N-th optimizer
 step, before its weight sync and publication), `checkpoint:N` (DCP files written, directory
 not yet renamed), `sigint:N` (Ctrl-C during the N-th optimizer step) or `none`.
 """
 
+import importlib
 import json
 import os
 import re
@@ -15,19 +17,24 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(8)]
 EPOCHS = 2
 
 
-def config(log_path):
-    from training.recipes import async_rl_loop
+def recipe_module(name):
+    return importlib.import_module(f"training.recipes.{name}")
+
+
+def config(recipe, log_path):
     from training.utils.config import SamplingConfig, TrainerConfig
 
-    return async_rl_loop.Config(
+    gate = {"max_head_offpolicy_versions": 1} if recipe == "async_rl_loop" else {}
+    return recipe_module(recipe).Config(
         model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=2, epochs=EPOCHS,
-        max_head_offpolicy_versions=1, dcp_save_interval=2, log_path=str(log_path),
-        sampling=SamplingConfig(max_tokens=4, timeout_s=30), trainer=TrainerConfig(learning_rate=1e-3),
-        progress=False,
+        dcp_save_interval=2, log_path=str(log_path), sampling=SamplingConfig(max_tokens=4, timeout_s=30),
+        trainer=TrainerConfig(learning_rate=1e-3), progress=False, **gate,
     )
 
 
@@ -50,11 +57,11 @@ def make_rollout_fn(setup, on_call=lambda n: None):
     return rollout_fn
 
 
-def child(log_path: str, kill_at: str) -> None:
+def child(recipe: str, log_path: str, kill_at: str) -> None:
     import logging
 
-    from training.recipes import async_rl_loop
     from training.utils import checkpoint
+    from training.utils.rl.train_step import BatchUpdate
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     point, _, n = kill_at.partition(":")
@@ -78,21 +85,21 @@ def child(log_path: str, kill_at: str) -> None:
         return wrapped
 
     if point == "optimizer":
-        async_rl_loop.finish_batch = after_nth(async_rl_loop.finish_batch, signal.SIGKILL)
+        BatchUpdate.finish = after_nth(BatchUpdate.finish, signal.SIGKILL)
     elif point == "sigint":
-        async_rl_loop.finish_batch = after_nth(async_rl_loop.finish_batch, signal.SIGINT, before=True)
+        BatchUpdate.finish = after_nth(BatchUpdate.finish, signal.SIGINT, before=True)
     elif point == "checkpoint":
         checkpoint.dcp.save = after_nth(checkpoint.dcp.save, signal.SIGKILL)
     on_call = (lambda c: c == n and die()) if point == "rollout" else (lambda c: None)
-    summary = async_rl_loop.main(config(log_path), rollout_fn_factory=lambda setup: make_rollout_fn(setup, on_call),
-                                 rows=ROWS)
+    summary = recipe_module(recipe).main(config(recipe, log_path),
+                                         rollout_fn_factory=lambda setup: make_rollout_fn(setup, on_call), rows=ROWS)
     print("SUMMARY " + json.dumps({k: summary[k] for k in ("steps", "start_step", "version")}), flush=True)
 
 
-def run_child(log_path, kill_at):
+def run_child(recipe, log_path, kill_at):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, __file__, str(log_path), kill_at], capture_output=True, text=True,
-                          timeout=240, env=env)
+    return subprocess.run([sys.executable, __file__, recipe, str(log_path), kill_at], capture_output=True,
+                          text=True, timeout=240, env=env)
 
 
 def lineage(ledger):
@@ -119,20 +126,20 @@ def newest_step(log_path):
     return int(path.name.split("-")[1]) if path else 0
 
 
-def test_killed_and_resumed_run_trains_every_row_exactly_once_per_epoch(tmp_path):
+@pytest.mark.parametrize("recipe", ["async_rl_loop", "rl_loop"])
+def test_killed_and_resumed_run_trains_every_row_exactly_once_per_epoch(tmp_path, recipe):
     import torch
 
-    from training.recipes import async_rl_loop
-
     torch.set_num_threads(1)
-    reference = async_rl_loop.main(config(tmp_path / "uninterrupted"), rollout_fn_factory=make_rollout_fn, rows=ROWS)
+    main = recipe_module(recipe).main
+    reference = main(config(recipe, tmp_path / "uninterrupted"), rollout_fn_factory=make_rollout_fn, rows=ROWS)
     expected = Counter(r for ids in lineage(reference["ledger"]).values() for r in ids)
     assert expected == Counter({row["id"]: EPOCHS for row in ROWS}) and reference["steps"] == 8
 
     log_path = tmp_path / "killed"
     checkpoints_seen = [0]
     for kill_at in ("rollout:11", "optimizer:3", "checkpoint:1", "sigint:3"):
-        result = run_child(log_path, kill_at)
+        result = run_child(recipe, log_path, kill_at)
         point = kill_at.split(":")[0]
         if point == "sigint":
             assert "KeyboardInterrupt" in result.stderr, result.stderr[-3000:]
@@ -147,7 +154,7 @@ def test_killed_and_resumed_run_trains_every_row_exactly_once_per_epoch(tmp_path
             assert leftovers, "the kill landed between the DCP write and the rename"
     assert checkpoints_seen[-1] > 0
 
-    result = run_child(log_path, "none")
+    result = run_child(recipe, log_path, "none")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.split("SUMMARY ", 1)[1])
     assert summary["start_step"] == checkpoints_seen[-1] and summary["steps"] == 8 and summary["version"] == 8
@@ -155,7 +162,7 @@ def test_killed_and_resumed_run_trains_every_row_exactly_once_per_epoch(tmp_path
     assert sorted(steps) == list(range(1, 9))
     assert Counter(r for ids in steps.values() for r in ids) == expected
     # The finished run is resumable too: a rerun finds nothing left to do.
-    again = async_rl_loop.main(config(log_path), rollout_fn_factory=make_rollout_fn, rows=ROWS)
+    again = main(config(recipe, log_path), rollout_fn_factory=make_rollout_fn, rows=ROWS)
     assert (again["start_step"], again["steps"], again["samples_trained"]) == (8, 8, 0)
 
 
@@ -203,4 +210,4 @@ def test_checkpoint_restores_weights_optimizer_schedule_and_rng(tmp_path):
 
 
 if __name__ == "__main__":
-    child(sys.argv[1], sys.argv[2])
+    child(sys.argv[1], sys.argv[2], sys.argv[3])

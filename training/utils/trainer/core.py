@@ -27,85 +27,33 @@ import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
-from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import checkpoint
 
 from training.utils import distributed
 from training.utils.config import TrainerConfig
 from training.utils.errors import ConfigError
 from training.utils.lora import adapters_disabled, merged_state_dict, standalone_copy, wrap_with_lora
-from training.utils.rl.rollout.types import Datum
+from training.utils.trainer.batching import (
+    Datum,
+    LossFn,
+    MicroBatch,
+    PaddedBatch,
+    check_datums,
+    check_extras,
+    check_temperature,
+    collate,
+    filler_batch,
+    plan_microbatches,
+)
+from training.utils.trainer.sharding import MetricTotals, ShardedRoot, gather_to_main, unsharded_copy
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class MicroBatch:
-    """What a loss function sees: one micro-batch, right-padded to its longest datum, on the model's device."""
-
-    target_ids: Tensor
-    """(b, T) long: the next-token targets."""
-    weights: Tensor
-    """(b, T) float: 1.0 on trained tokens, 0 on context and padding."""
-    behaviour_logprobs: Tensor
-    """(b, T) float: the sampler's logprob of each target, 0 at padding."""
-    advantages: Tensor
-    """(b,) float: one advantage per datum."""
-    extras: dict[str, Tensor]
-    """Per-datum arrays passed to `forward_backward(extras=...)`, each (b, T) float, 0 at padding."""
-    datum_indices: list[int]
-    """Positions of this micro-batch's rows in the list given to `forward_backward`."""
-    num_tokens_total: float
-    """Sum of weights over every datum of the `forward_backward` call: the token-mean denominator."""
-    num_seqs_total: int
-    """Number of datums in the `forward_backward` call: the sequence-mean denominator."""
-
-
-LossFn = Callable[[Tensor, MicroBatch], tuple[Tensor, dict[str, Tensor]]]
-"""`loss_fn(logprobs (b, T), micro_batch) -> (scalar loss, metrics)`; see `Trainer.forward_backward`."""
-
-
-@dataclass
-class _PaddedBatch:
-    """One micro-batch's tensors, right-padded; `positions` index the flattened (b·T) grid.
-
-    The model sees `input_ids` with `attention_mask` and `position_ids`: the padded grid itself,
-    or (packed) one row of the datums end to end, without a mask, position ids restarting at each
-    datum. `hidden_index` says where each of `positions` is in the model's flattened output.
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor | None
-    position_ids: Tensor | None
-    target_ids: Tensor
-    weights: Tensor
-    behaviour_logprobs: Tensor
-    advantages: Tensor
-    extras: dict[str, Tensor]
-    positions: Tensor
-    """(N,) flat indices of the tokens whose logprob is computed."""
-    hidden_index: Tensor
-    """(N,) the same tokens' flat indices in the model's input."""
-
-    @property
-    def shape(self) -> torch.Size:
-        """(b, T) of the padded grid the loss sees."""
-        return self.target_ids.shape
-
-    def to(self, device: torch.device) -> _PaddedBatch:
-        return _PaddedBatch(**{
-            name: (value.to(device) if isinstance(value, Tensor) else
-                   {k: v.to(device) for k, v in value.items()} if isinstance(value, dict) else value)
-            for name, value in vars(self).items()
-        })
 
 
 def lr_multiplier(step: int, cfg: TrainerConfig) -> float:
@@ -140,112 +88,6 @@ def weight_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if resolve_precision(cfg, device) == "bf16" else torch.float32
 
 
-def plan_microbatches(lengths: list[int], max_tokens: int, *, packed: bool = False) -> list[list[int]]:
-    """Group datums into micro-batches of at most `max_tokens` computed tokens; returns lists of indices.
-
-    Padded (default): longest first, fill each micro-batch while longest × count ≤ max_tokens.
-    Packed: first-fit decreasing on the sum of lengths (a packed row holds no padding).
-    A datum longer than the budget goes alone.
-    """
-    longest_first = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    if packed:
-        bins: list[list[int]] = []
-        filled: list[int] = []
-        for index in longest_first:
-            fit = next((b for b, used in enumerate(filled) if used + lengths[index] <= max_tokens), None)
-            if fit is None:
-                bins.append([])
-                filled.append(0)
-                fit = len(bins) - 1
-            bins[fit].append(index)
-            filled[fit] += lengths[index]
-        return bins
-    microbatches: list[list[int]] = []
-    current: list[int] = []
-    for index in longest_first:
-        # current[0] is the longest in `current`, so it sets the padded width.
-        if current and lengths[current[0]] * (len(current) + 1) > max_tokens:
-            microbatches.append(current)
-            current = []
-        current.append(index)
-    microbatches.append(current)
-    return microbatches
-
-
-def check_datums(datums: list[Datum]) -> None:
-    """Raise ValueError, naming the datum, if the list is empty or a datum's arrays differ in length."""
-    if not datums:
-        raise ValueError("got an empty list of datums; pass at least one")
-    for index, datum in enumerate(datums):
-        n = len(datum.input_ids)
-        if n == 0:
-            raise ValueError(f"datum {index} has no input_ids")
-        for name, values in (
-            ("target_ids", datum.target_ids),
-            ("weights", datum.weights),
-            ("behaviour_logprobs", datum.behaviour_logprobs),
-        ):
-            if len(values) != n:
-                raise ValueError(f"datum {index}: input_ids has {n} entries but {name} has {len(values)}")
-
-
-def check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-
-
-def _check_extras(extras: dict[str, list], datums: list[Datum]) -> None:
-    for name, rows in extras.items():
-        if len(rows) != len(datums):
-            raise ValueError(f"extras[{name!r}] has {len(rows)} entries for {len(datums)} datums")
-        for index, (row, datum) in enumerate(zip(rows, datums)):
-            if len(row) != len(datum.target_ids):
-                raise ValueError(
-                    f"extras[{name!r}][{index}] has {len(row)} entries but datum {index} has "
-                    f"{len(datum.target_ids)} targets"
-                )
-
-
-def _pad(rows: list, dtype: torch.dtype) -> Tensor:
-    """Right-pad 1-D rows (lists or tensors) with 0 into a (b, T) CPU tensor."""
-    return pad_sequence([torch.as_tensor(row, dtype=dtype, device="cpu") for row in rows], batch_first=True)
-
-
-def _collate(
-    datums: list[Datum], indices: list[int], extras: dict[str, list], *, trained_only: bool, packed: bool
-) -> _PaddedBatch:
-    """Pad (or pack) the selected datums on the CPU; pick the positions whose logprob is needed.
-
-    `trained_only` keeps positions with non-zero weight (the only ones a loss can use), else all
-    real tokens. Positions are found on the CPU so the device never syncs to size them.
-    """
-    chosen = [datums[i] for i in indices]
-    input_ids = _pad([d.input_ids for d in chosen], torch.long)
-    attention_mask = _pad([[1] * len(d.input_ids) for d in chosen], torch.long)
-    weights = _pad([d.weights for d in chosen], torch.float32)
-    positions = (weights != 0 if trained_only else attention_mask.bool()).flatten().nonzero().squeeze(1)
-    position_ids, hidden_index = None, positions
-    if packed:
-        lengths = torch.tensor([len(d.input_ids) for d in chosen])
-        input_ids = input_ids[attention_mask.bool()][None]
-        position_ids = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
-        row_starts = lengths.cumsum(0) - lengths
-        width = attention_mask.shape[1]
-        hidden_index = row_starts[positions // width] + positions % width
-        attention_mask = None
-    return _PaddedBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        target_ids=_pad([d.target_ids for d in chosen], torch.long),
-        weights=weights,
-        behaviour_logprobs=_pad([d.behaviour_logprobs for d in chosen], torch.float32),
-        advantages=torch.tensor([d.advantage for d in chosen], dtype=torch.float32),
-        extras={name: _pad([rows[i] for i in indices], torch.float32) for name, rows in extras.items()},
-        positions=positions,
-        hidden_index=hidden_index,
-    )
-
 
 def _chunk_logprobs(lm_head: torch.nn.Module, hidden_CH: Tensor, targets_C: Tensor, temperature: float) -> Tensor:
     logits_CV = lm_head(hidden_CH).float() / temperature
@@ -267,59 +109,6 @@ def _scatter(values_N: Tensor, positions_N: Tensor, shape: torch.Size) -> Tensor
     flat = values_N.new_zeros(shape.numel()).index_copy(0, positions_N, values_N)
     return flat.view(shape)
 
-
-class _MetricTotals:
-    """Accumulates micro-batch losses and metrics as device tensors; reduced once at the end."""
-
-    def __init__(self) -> None:
-        self.loss: Tensor | None = None
-        self.weighted_sums: dict[str, Tensor] = {}
-        self.extremes: dict[str, Tensor] = {}
-        self.weight_total = 0.0
-
-    def add(self, loss: Tensor, metrics: dict[str, Tensor], weight: float) -> None:
-        loss = loss.detach().float()
-        self.loss = loss if self.loss is None else self.loss + loss
-        self.weight_total += weight
-        for name, value in metrics.items():
-            value = torch.as_tensor(value, device=loss.device).detach().float()
-            if name.endswith("_min"):
-                previous = self.extremes.get(name)
-                self.extremes[name] = value if previous is None else torch.minimum(previous, value)
-            elif name.endswith("_max"):
-                previous = self.extremes.get(name)
-                self.extremes[name] = value if previous is None else torch.maximum(previous, value)
-            else:
-                self.weighted_sums[name] = self.weighted_sums.get(name, 0.0) + value * weight
-
-    def reduce(self) -> dict[str, float]:
-        if distributed.is_distributed():
-            return self._reduce_across_ranks()
-        # The loss function's own "loss" metric, if any, is overridden by the summed loss.
-        means = {name: total / self.weight_total for name, total in self.weighted_sums.items()}
-        tensors = {**means, **self.extremes, "loss": self.loss}
-        # One host sync for all metrics together.
-        values = torch.stack(list(tensors.values())).tolist()
-        return dict(zip(tensors.keys(), values))
-
-    def _reduce_across_ranks(self) -> dict[str, float]:
-        """The same reduction over every rank's micro-batches (a rank may have run none), identical on all ranks."""
-        local = [*self.weighted_sums.values(), *self.extremes.values(), *([self.loss] if self.loss is not None else [])]
-        values = iter(torch.stack([torch.as_tensor(v).float().cpu() for v in local]).tolist() if local else [])
-        mine = ({name: next(values) for name in self.weighted_sums}, {name: next(values) for name in self.extremes},
-                next(values, None), self.weight_total)
-        sums: dict[str, float] = {}
-        extremes: dict[str, float] = {}
-        loss, weight_total = 0.0, 0.0
-        for rank_sums, rank_extremes, rank_loss, rank_weight in distributed.all_gather_objects(mine):
-            for name, value in rank_sums.items():
-                sums[name] = sums.get(name, 0.0) + value
-            for name, value in rank_extremes.items():
-                pick = min if name.endswith("_min") else max
-                extremes[name] = value if name not in extremes else pick(extremes[name], value)
-            loss += rank_loss or 0.0
-            weight_total += rank_weight
-        return {**{name: total / weight_total for name, total in sums.items()}, **extremes, "loss": loss}
 
 
 class Trainer:
@@ -349,7 +138,7 @@ class Trainer:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.lora = trainable and cfg.lora_rank > 0
         self.precision = resolve_precision(cfg, self.device)
-        self._sharded_root: _ShardedRoot | None = None
+        self._sharded_root: ShardedRoot | None = None
         dtype = weight_dtype(cfg, self.device)
         if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
             # Load in this dtype to avoid the conversion (from bf16 it cannot restore lost precision).
@@ -384,7 +173,7 @@ class Trainer:
         """Under torchrun, FSDP2 over this trainer's model; the optimizer is built afterwards, on the shards."""
         if not distributed.is_distributed():
             return
-        self._sharded_root = _ShardedRoot(self.model, self._forward)
+        self._sharded_root = ShardedRoot(self.model, self._forward)
         distributed.shard_model(self.model, self._sharded_root, bf16_compute=self.precision == "bf16-autocast")
 
     # ---- forward passes -------------------------------------------------------------
@@ -408,7 +197,7 @@ class Trainer:
         return mine + [None] * (max(map(len, plans)) - len(mine))
 
     def _model_forward(
-        self, batch: _PaddedBatch, temperature: float, with_entropy: bool
+        self, batch: PaddedBatch, temperature: float, with_entropy: bool
     ) -> tuple[Tensor, Tensor | None]:
         """`_forward`, through the FSDP2 root when sharded so that its hooks run around it."""
         if self._sharded_root is None:
@@ -418,7 +207,7 @@ class Trainer:
     def _filler_pass(self, *, backward: bool) -> None:
         """A one-token forward (and a zero backward) that changes nothing, run by a rank with fewer
         micro-batches than another so that every rank makes FSDP2's collectives equally often."""
-        logprobs_BT, _ = self._model_forward(_filler_batch().to(self.device), 1.0, with_entropy=False)
+        logprobs_BT, _ = self._model_forward(filler_batch().to(self.device), 1.0, with_entropy=False)
         if backward:
             (logprobs_BT.sum() * 0.0).backward()
 
@@ -427,7 +216,7 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, batch: _PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    def _forward(self, batch: PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """(b, T) logprobs (and entropies) at `batch.positions`, 0 elsewhere; differentiable if grad is on."""
         lm_head = self.model.get_output_embeddings()
         with self._autocast():
@@ -480,7 +269,7 @@ class Trainer:
             if indices is None:
                 self._filler_pass(backward=False)
                 continue
-            batch = _collate(datums, indices, {}, trained_only=False, packed=self.cfg.pack_sequences).to(self.device)
+            batch = collate(datums, indices, {}, trained_only=False, packed=self.cfg.pack_sequences).to(self.device)
             logprobs_BT, entropy_BT = self._model_forward(batch, temperature, with_entropy)
             logprobs_BT = logprobs_BT.cpu()
             entropy_BT = entropy_BT.cpu() if with_entropy else None
@@ -526,10 +315,10 @@ class Trainer:
         check_datums(datums)
         check_temperature(temperature)
         extras = extras or {}
-        _check_extras(extras, datums)
+        check_extras(extras, datums)
         self.model.train()
         num_tokens_total = float(sum(sum(d.weights) for d in datums))
-        totals = _MetricTotals()
+        totals = MetricTotals()
         plan = self._microbatches([len(d) for d in datums])
         for number, indices in enumerate(plan):
             if self._sharded_root is not None:
@@ -538,7 +327,7 @@ class Trainer:
             if indices is None:
                 self._filler_pass(backward=True)
                 continue
-            batch = _collate(datums, indices, extras, trained_only=True, packed=self.cfg.pack_sequences)
+            batch = collate(datums, indices, extras, trained_only=True, packed=self.cfg.pack_sequences)
             batch = batch.to(self.device)
             if self._sharded_root is not None and batch.positions.numel() == 0:
                 # Nothing to train (its loss would have no graph, so this rank alone would skip a
@@ -617,7 +406,7 @@ class Trainer:
         """
         if self.lora:
             merged = merged_state_dict(self.model)
-            return merged if self._sharded_root is None else _gather_to_main(merged)
+            return merged if self._sharded_root is None else gather_to_main(merged)
         if self._sharded_root is not None:
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return self.model.state_dict()
@@ -633,7 +422,7 @@ class Trainer:
         state = self.state_dict_for_inference()
         if not distributed.is_main():
             return None
-        return _unsharded_copy(self.model.get_base_model() if self.lora else self.model, state, self.device)
+        return unsharded_copy(self.model.get_base_model() if self.lora else self.model, state, self.device)
 
     def save_hf(self, path: str | Path, tokenizer=None) -> None:
         """Write a Hugging Face directory (config + safetensors, and the tokenizer if given).
@@ -681,57 +470,6 @@ class AdapterDisabledReference:
 
 Reference = Trainer | AdapterDisabledReference
 """What computes reference logprobs: a frozen `Trainer`, or a LoRA policy's base model."""
-
-
-class _ShardedRoot(torch.nn.Module):
-    """The FSDP2 root: `Trainer._forward` as one module call.
-
-    `_forward` calls the decoder and `lm_head` directly, never the model's own `forward`, so the
-    root's hooks (gather the embeddings, final norm and lm_head before, reduce their gradients
-    after the backward) must wrap a module whose forward is `_forward`.
-    """
-
-    def __init__(self, model: torch.nn.Module, compute: Callable) -> None:
-        super().__init__()
-        self.model = model
-        self.compute = compute
-
-    def forward(self, batch: _PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        logprobs_BT, entropy_BT = self.compute(batch, temperature, with_entropy)
-        # Not views (`_scatter` returns one): an in-place op on a view output would drop the
-        # pre-backward hook FSDP2 registers on it. The copies are (b, T), small.
-        return logprobs_BT.clone(), entropy_BT.clone() if entropy_BT is not None else None
-
-
-def _filler_batch() -> _PaddedBatch:
-    """One token (id 0) whose logprob is computed and never trained."""
-    token = torch.zeros((1, 1), dtype=torch.long)
-    zeros = torch.zeros((1, 1))
-    position = torch.zeros(1, dtype=torch.long)
-    return _PaddedBatch(input_ids=token, attention_mask=torch.ones_like(token), position_ids=None, target_ids=token,
-                        weights=zeros, behaviour_logprobs=zeros, advantages=torch.zeros(1), extras={},
-                        positions=position, hidden_index=position)
-
-
-def _gather_to_main(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A collective: each sharded tensor gathered whole, one at a time, kept on rank 0's CPU; {} elsewhere."""
-    main = distributed.is_main()
-    gathered = {}
-    for name, tensor in state.items():  # the same order on every rank
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if main:
-            gathered[name] = full.detach().cpu()
-    return gathered
-
-
-def _unsharded_copy(model: torch.nn.Module, state: dict[str, Tensor], device: torch.device) -> torch.nn.Module:
-    """A plain module of `model`'s class and config holding `state` (the gathered full weights)."""
-    dtype = next(iter(state.values())).dtype
-    with torch.device(device):
-        copy = type(model)(model.config).to(dtype)
-    copy.load_state_dict(state)
-    copy.generation_config = model.generation_config
-    return copy
 
 
 def _cat(chunks: list[Tensor], like: Tensor) -> Tensor:

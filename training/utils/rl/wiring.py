@@ -1,21 +1,42 @@
-"""Start-up pieces both recipes share: trainers, the rollout setup, evaluation calls."""
+"""What both recipes wire together around their loops: data, trainers, deployment, agent shim, rollout
+setup, checkpoints and evaluation calls."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import inspect
+import logging
 import math
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from training.utils import distributed
+from training.utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment, EmbeddedDeployment, start_deployment
-from training.utils.errors import ConfigError
+from training.utils.errors import ConfigError, EvaluationTimeoutError
 from training.utils.logging import RunLogger
 from training.utils.model import default_device, load_model_and_tokenizer
 from training.utils.rl.agent import AgentShim
+from training.utils.rl.dataset import read_jsonl
 from training.utils.rl.rollout.types import RolloutSetup
 from training.utils.trainer import Reference, Trainer, weight_dtype
+
+log = logging.getLogger("training")
+
+
+def read_rows(cfg: RLConfig, rows: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """`main()`'s rows, else the rows of `cfg.dataset_path`."""
+    if rows is not None:
+        return rows
+    if cfg.dataset_path is None:
+        raise ConfigError("main() got no rows and cfg.dataset_path is None; pass rows=... or set dataset_path")
+    return read_jsonl(cfg.dataset_path)
 
 
 def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference | None, Any]:
@@ -86,14 +107,45 @@ def make_rollout_setup(cfg: RLConfig, tokenizer, deployment: Deployment, extras,
     )
 
 
-async def maybe_evaluate(evaluation_fn: Callable | None, setup: RolloutSetup, step: int,
-                         logger: RunLogger | None) -> dict[str, float]:
-    """Run `evaluation_fn(setup, step)` (sync or async); its metrics are logged under `eval/`."""
+def restore(cfg: RLConfig, policy: Trainer, rng: np.random.Generator) -> dict[str, Any]:
+    """Load `init_from_checkpoint`, else the newest checkpoint in `log_path`; returns its progress ({} if none)."""
+    path = Path(cfg.init_from_checkpoint) if cfg.init_from_checkpoint else latest_checkpoint(cfg.log_path)
+    path = distributed.broadcast_object(path)  # under torchrun every rank loads the one rank 0 found
+    if path is None:
+        return {}
+    progress = load_checkpoint(path, policy=policy, np_rng=rng)
+    log.info("resumed from %s at step %d", path, progress["step"])
+    return progress
+
+
+async def checkpoint(cfg: RLConfig, worker, policy: Trainer, rng: np.random.Generator, step: int,
+                     progress: dict[str, Any], logger: RunLogger) -> int:
+    """Save on the trainer thread (`progress`: the step and the data cursor, captured at publication)."""
+    start = time.monotonic()
+    await worker.run(save_checkpoint, cfg.log_path, step, policy=policy, progress={"step": step, **progress},
+                     np_rng=rng, keep=cfg.keep_checkpoints)
+    worker.take_busy_s()
+    logger.log(step, {"perf/checkpoint_time": time.monotonic() - start})
+    return step
+
+
+async def evaluate(evaluation_fn: Callable | None, setup: RolloutSetup, step: int, logger: RunLogger | None,
+                   cfg: RLConfig) -> dict[str, float]:
+    """Run `evaluation_fn(setup, step)` under `eval_timeout_s`; its metrics are logged under `eval/`.
+    The timeout bounds what it awaits: a synchronous one blocks the event loop until it returns."""
     if evaluation_fn is None:
         return {}
-    result = evaluation_fn(setup, step)
-    if inspect.isawaitable(result):
-        result = await result
+    deadline = asyncio.timeout(cfg.eval_timeout_s)
+    try:
+        async with deadline:
+            result = evaluation_fn(setup, step)
+            if inspect.isawaitable(result):
+                result = await result
+    except TimeoutError:
+        if not deadline.expired():  # a TimeoutError of the evaluation's own
+            raise
+        raise EvaluationTimeoutError(f"evaluation_fn did not return within eval_timeout_s={cfg.eval_timeout_s:g}s "
+                                     f"at step {step}") from None
     metrics = {k if k.startswith("eval/") else f"eval/{k}": float(v) for k, v in (result or {}).items()
                if isinstance(v, (int, float)) and math.isfinite(v)}
     if logger is not None:

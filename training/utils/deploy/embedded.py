@@ -1,0 +1,92 @@
+"""The embedded deployment: a copy of the policy served by our own engine (`engine.py`) behind our
+HTTP server (`server.py`) inside the training process (README: The deployment).
+
+    deployment = await start_embedded_deployment(copy.deepcopy(policy), tokenizer, cfg.deployment,
+                                                 model_name="policy")
+    completions = await deployment.sampler.sample(prompt_ids, n=8, max_tokens=256)
+    await deployment.weight_sync.sync(policy.state_dict(), version=step)
+    await deployment.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from training.utils.config import DeploymentConfig
+from training.utils.deploy.engine import Engine
+from training.utils.deploy.handle import DeploymentHandle, weight_dir_for
+from training.utils.deploy.sampler import Sampler
+from training.utils.deploy.server import InferenceServer
+from training.utils.deploy.weight_sync import make_weight_sync
+
+
+@dataclass(kw_only=True)
+class EmbeddedDeployment(DeploymentHandle):
+    """A running engine, its HTTP server, a client bound to it and the weight sync into it."""
+
+    engine: Engine
+    server: InferenceServer
+
+    @property
+    def version(self) -> int:
+        """Weight version the engine serves now."""
+        return self.engine.version
+
+    async def _stop_server(self, timeout: float) -> None:
+        try:
+            # The engine thread (joined with a timeout): unfinished requests end with finish_reason
+            # "abort", so the server's handlers answer at once.
+            await asyncio.to_thread(self.engine.close, timeout)
+        finally:
+            await self.server.close()
+
+
+async def start_embedded_deployment(
+    model,
+    tokenizer,
+    cfg: DeploymentConfig,
+    *,
+    model_name: str,
+    sampling_timeout_s: float = 300.0,
+    weight_dir: str | Path | None = None,
+) -> EmbeddedDeployment:
+    """Start engine + server on `cfg.host:cfg.port` and return handles; call from a running event loop.
+
+    `model` must be a copy the deployment owns (e.g. `copy.deepcopy(policy)`), never the
+    trainer's module. `sampling_timeout_s` is the default per-request timeout of the sampler
+    and the engine. `weight_dir` holds safetensors for `cfg.weight_sync="disk"` (default: a
+    temporary directory removed at `close`).
+    """
+    engine = Engine(model, tokenizer, cfg, default_timeout_s=sampling_timeout_s)
+    server = InferenceServer(engine, cfg, model_name)
+    try:
+        base_url = await server.start()
+    except BaseException:
+        await asyncio.to_thread(engine.close)
+        raise
+    sampler = Sampler(base_url, model_name, api_key=cfg.api_key, timeout_s=sampling_timeout_s, tokenizer=tokenizer)
+    weight_dir, own_dir = weight_dir_for(cfg.weight_sync, weight_dir if weight_dir is not None else cfg.weight_dir)
+    weight_sync = make_weight_sync(
+        cfg.weight_sync,
+        engine=engine,
+        base_url=base_url,
+        directory=weight_dir,
+        api_key=cfg.api_key,
+        timeout_s=cfg.weight_sync_timeout_s,
+    )
+    weight_sync.version = engine.version
+    return EmbeddedDeployment(
+        engine=engine, server=server, base_url=base_url, model_name=model_name, sampler=sampler,
+        weight_sync=weight_sync, owned_weight_dir=own_dir,
+    )
+
+
+def engine_dtype(cfg: DeploymentConfig, device: torch.device) -> torch.dtype:
+    """The embedded engine's weight dtype: `cfg.dtype`, or bfloat16 on CUDA and float32 elsewhere."""
+    if cfg.dtype != "auto":
+        return getattr(torch, cfg.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -1,0 +1,52 @@
+"""What every deployment hands the recipes, embedded or external: `base_url`, `model_name`,
+`sampler`, `weight_sync`, `version` and `close()`, and the temporary weight directory it may own."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from training.utils.deploy.sampler import Sampler
+from training.utils.deploy.weight_sync import WeightSync
+
+
+@dataclass(kw_only=True)
+class DeploymentHandle:
+    base_url: str
+    model_name: str
+    sampler: Sampler
+    weight_sync: WeightSync
+    owned_weight_dir: Path | None = field(default=None, repr=False)
+    """A directory for disk-synced weights that the deployment created, removed at `close`."""
+
+    @property
+    def version(self) -> int:
+        """Weight version served now (the last successful sync)."""
+        return self.weight_sync.version
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Shut down in dependency order, each step even if an earlier one failed: the clients
+        first, so nothing new reaches the server; then the server, if we run it; then the weight
+        files the deployment created itself."""
+        try:
+            await self.sampler.close()
+            await self.weight_sync.close()
+        finally:
+            try:
+                await self._stop_server(timeout)
+            finally:
+                if self.owned_weight_dir is not None:
+                    shutil.rmtree(self.owned_weight_dir, ignore_errors=True)
+
+    async def _stop_server(self, timeout: float) -> None:
+        """Nothing by default: an external server keeps running."""
+
+
+def weight_dir_for(weight_sync: str, directory: str | Path | None) -> tuple[str | Path | None, Path | None]:
+    """(where disk syncs write, the temporary directory created for them when none was given)."""
+    if weight_sync == "disk" and directory is None:
+        own_dir = Path(tempfile.mkdtemp(prefix="weights_"))
+        return own_dir, own_dir
+    return directory, None

@@ -1,0 +1,63 @@
+"""The wire-neutral request (`ChatRequest`) both wire formats translate into, and the error a rejected request raises.
+
+Each wire format (`wire_anthropic.py`, `wire_openai.py`) translates a request body into one
+`ChatRequest` of OpenAI-chat-like "chat messages":
+
+    {"role": "system" | "user" | "assistant" | "tool", "content": str}
+    assistant may add "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": str}}]
+                  and "reasoning_content": str
+    tool adds "tool_call_id": str
+
+A request the shim cannot take raises `WireError`, which the server answers in the error shape
+of the wire it came in on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.utils.errors import TrainingError
+
+
+class WireError(TrainingError, ValueError):
+    """A request the shim answers with an error: HTTP `status` with the wire format's error body.
+
+    `param` names the offending field as a path into the request body (`messages[3].content[0].input`);
+    `code` is a machine-readable reason where the wire has one (e.g. "context_length_exceeded").
+    """
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.status, self.param, self.code))
+
+
+@dataclass
+class ChatRequest:
+    """One model request in wire-neutral form."""
+
+    system: str | None
+    """Leading system text (Anthropic `system`, or OpenAI messages[0] when its role is system/developer)."""
+    messages: list[dict]
+    """Chat messages after the leading system one; later system messages are already folded into user ones."""
+    tools: list[dict]
+    """OpenAI function schemas `{"type": "function", "function": {"name", "description", "parameters"}}`."""
+    max_tokens: int | None
+    """The client's output cap (Anthropic max_tokens; OpenAI max_completion_tokens or max_tokens)."""
+    stop: list[str]
+    """The client's stop sequences."""
+    stream: bool
+    model: str
+
+
+def system_reminder(text: str) -> dict:
+    """A system message that is not the first one, folded in place into a user message.
+
+    Folding (rather than hoisting it into the leading system text) keeps every earlier message
+    and so the rendered prefix unchanged.
+    """
+    return {"role": "user", "content": f"<system-reminder>\n{text}\n</system-reminder>"}

@@ -1,0 +1,209 @@
+"""What both recipes do around their loop: start a run, resume it, end every step, finish, shut down.
+
+A recipe is a `Config` and a loop, `async def loop(run: TrainingRun, ...)`, that trains steps
+`run.start_step + 1 ...` in its own way and ends each with `run.end_step(step, metrics)`.
+`recipe_main(loop, Config)` makes the recipe's `main()`, the same for both recipes:
+
+0. seeds; trainers (policy, reference); resume from the newest checkpoint; the trainer thread;
+   under torchrun the other ranks only follow rank 0's trainer calls; the deployment, the
+   ledger, the agent shim, the rollout setup and the user's rollout function; evaluation
+   before the first step;
+1. the recipe's loop;
+2. the last checkpoint, weight sync and evaluation if the loop's last step did not make them,
+   the Hugging Face export; then the shutdown in order and the run's summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from training.utils import distributed
+from training.utils.checkpoint import latest_checkpoint
+from training.utils.config import RLConfig
+from training.utils.deploy import Deployment
+from training.utils.errors import ConfigError
+from training.utils.logging import RunLogger
+from training.utils.rl.health import RunHealth
+from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
+from training.utils.rl.wiring import (
+    checkpoint,
+    deploy_policy,
+    evaluate,
+    make_rollout_setup,
+    read_rows,
+    restore,
+    setup_trainers,
+    start_agent_shim,
+)
+from training.utils.rl.worker import TrainerWorker
+from training.utils.trainer import Reference, Trainer
+
+
+@dataclass
+class TrainingRun:
+    """A started run: what the loop trains with, and how far it got."""
+
+    cfg: RLConfig
+    rows: list[dict[str, Any]]
+    rng: np.random.Generator
+    total_steps: int
+    progress: dict[str, Any]
+    """The resumed checkpoint's progress: step, weights version, data cursor ({} for a new run)."""
+    policy: Trainer
+    reference: Reference | None
+    tokenizer: Any
+    worker: TrainerWorker
+    """The thread all trainer work runs on (`await run.worker.run(fn, ...)`)."""
+    deployment: Deployment
+    logger: RunLogger
+    setup: RolloutSetup
+    rollout_fn: Callable
+    evaluation_fn: Callable | None
+    health: RunHealth = field(default_factory=RunHealth)
+    resume_state: Callable[[], dict[str, Any]] = dict
+    """Set by the loop: what a checkpoint stores besides the weights (the data cursor, ...)."""
+    step: int = 0
+    """The last step published."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    samples_trained: int = 0
+    evaluated_step: int = 0
+    saved_step: int = 0
+
+    @property
+    def start_step(self) -> int:
+        return self.progress.get("step", 0)
+
+    async def publish_weights(self, step: int) -> dict[str, float]:
+        """Push the weights to the deployment every `weight_sync_interval` steps and at the last one."""
+        if step % self.cfg.weight_sync_interval and step != self.total_steps:
+            return {}
+        return await self.sync_weights(step)
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        return await self.deployment.weight_sync.sync(await self.worker.run(self.policy.state_dict_for_inference),
+                                                      version)
+
+    async def end_step(self, step: int, metrics: dict[str, Any]) -> None:
+        """After publication: evaluation every `eval_interval` steps, the ledger, run health, a checkpoint
+        every `dcp_save_interval` steps."""
+        self.step = step
+        self.samples_trained += int(metrics.get("batch/samples", 0))
+        if self.cfg.eval_interval and step % self.cfg.eval_interval == 0:
+            metrics |= await evaluate(self.evaluation_fn, self.setup, step, None, self.cfg)
+            self.evaluated_step = step
+        self.metrics = metrics
+        self.logger.log(step, metrics)
+        self.health.check(step, metrics)
+        if self.cfg.dcp_save_interval and step % self.cfg.dcp_save_interval == 0:
+            self.saved_step = await self.save_checkpoint()
+
+    async def save_checkpoint(self) -> int:
+        return await checkpoint(self.cfg, self.worker, self.policy, self.rng, self.step, self.resume_state(),
+                                self.logger)
+
+    async def finish(self) -> None:
+        """What the last step did not do: checkpoint, weight sync, evaluation; then the export."""
+        if self.cfg.dcp_save_interval and self.step != self.saved_step:
+            await self.save_checkpoint()
+        if self.deployment.version != self.step:
+            await self.sync_weights(self.step)
+        if self.step != self.evaluated_step:
+            self.metrics |= await evaluate(self.evaluation_fn, self.setup, self.step, self.logger, self.cfg)
+        if self.cfg.output_dir:
+            await self.worker.run(self.policy.save_hf, self.cfg.output_dir, self.tokenizer)
+
+    def summary(self, plots: list[Path]) -> dict[str, Any]:
+        newest = latest_checkpoint(self.cfg.log_path)
+        return {
+            "steps": self.step,
+            "start_step": self.start_step,
+            "version": self.deployment.version,
+            "metrics": self.metrics,
+            "samples_trained": self.samples_trained,
+            "health": self.health.summary(),
+            "log_path": str(Path(self.cfg.log_path)),
+            "ledger": str(self.logger.ledger_path),
+            "plots": [str(p) for p in plots],
+            "checkpoint": str(newest) if newest else None,
+            "output_dir": self.cfg.output_dir,
+        }
+
+
+Loop = Callable[..., Awaitable[None]]
+"""`async def loop(run: TrainingRun, *, dynamic_filter_fn) -> None`."""
+
+
+def recipe_main(loop: Loop, config_class: type[RLConfig]) -> Callable[..., dict[str, Any]]:
+    """The `main()` of a recipe whose loop is `loop`: one signature for every recipe."""
+
+    def main(
+        cfg: RLConfig,
+        *,
+        rollout_fn_factory: Callable[[RolloutSetup], Callable],
+        rows: list[dict[str, Any]] | None = None,
+        dynamic_filter_fn: Callable[[PromptGroup], bool] | None = None,
+        evaluation_fn: Callable | None = None,
+        rollout_extras: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Train, resuming from the newest checkpoint if there is one; returns a summary of the run."""
+        if not isinstance(cfg, config_class):
+            raise ConfigError(f"{loop.__module__}.main() needs a {loop.__module__}.Config, got "
+                              f"{type(cfg).__module__}.{type(cfg).__name__}; build it from the recipe you import")
+        rows = read_rows(cfg, rows)
+        with distributed.distributed_session(cfg.trainer.distributed_timeout_s):  # a no-op without torchrun
+            return asyncio.run(run_recipe(loop, cfg, rows, rollout_fn_factory, evaluation_fn=evaluation_fn,
+                                          rollout_extras=rollout_extras, dynamic_filter_fn=dynamic_filter_fn))
+
+    main.__module__, main.__qualname__ = loop.__module__, "main"
+    return main
+
+
+async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], rollout_fn_factory, *,
+                     evaluation_fn, rollout_extras, **loop_kwargs) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    total_steps = cfg.planned_steps(len(rows))
+    policy, reference, tokenizer = setup_trainers(cfg, total_steps)
+    progress = restore(cfg, policy, rng)
+    # All trainer work goes through the worker; under torchrun it runs on every rank.
+    worker = TrainerWorker(policy=policy, reference=reference, rng=rng, cfg=cfg, tokenizer=tokenizer)
+    if not distributed.is_main():
+        worker.follow()
+        return distributed.broadcast_object(control=True)  # rank 0's summary
+    deployment = await deploy_policy(cfg, worker, policy, tokenizer)
+    logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress, wandb_project=cfg.wandb_project,
+                       config=cfg.model_dump(), new_run=not progress)
+    shim = run = None
+    try:
+        start_step = progress.get("step", 0)
+        if start_step:
+            # The deployment starts from the resumed weights; it serves them under their version.
+            await deployment.weight_sync.sync(await worker.run(policy.state_dict_for_inference), start_step)
+        shim = await start_agent_shim(cfg, tokenizer, deployment)  # None unless cfg.agent_shim.enabled
+        setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim)
+        run = TrainingRun(cfg=cfg, rows=rows, rng=rng, total_steps=total_steps, progress=progress, policy=policy,
+                          reference=reference, tokenizer=tokenizer, worker=worker, deployment=deployment,
+                          logger=logger, setup=setup, rollout_fn=rollout_fn_factory(setup),
+                          evaluation_fn=evaluation_fn, step=start_step, evaluated_step=start_step,
+                          saved_step=start_step)
+        run.metrics = await evaluate(evaluation_fn, setup, start_step, logger, cfg)
+        await loop(run, **loop_kwargs)
+        await run.finish()
+    finally:
+        # The loop has stopped its rollouts. Then: 1. let the trainer thread finish its current operation
+        # (under torchrun, then release the other ranks); 2. close the ledger; 3. stop the agent shim, then
+        # the deployment it samples from.
+        await worker.close()
+        plots = logger.close()
+        if shim is not None:
+            await shim.close()
+        await deployment.close()
+    run.health.report()
+    return distributed.broadcast_object(run.summary(plots), control=True)  # under torchrun every rank returns it
