@@ -2,14 +2,23 @@
 
 import asyncio
 import math
+import time
 
 import pytest
 from safetensors.torch import load_file
 
 from test_async_rl_loop import COMMON, ROWS
-from training.recipes import async_rl_loop
-from training.utils.errors import CircuitBreakerError, RecoverableRolloutError, RolloutContractError
+from training.recipes import async_rl_loop, rl_loop
+from training.utils.errors import (
+    CircuitBreakerError,
+    RecoverableRolloutError,
+    RolloutCancellationError,
+    RolloutContractError,
+    SkippedStepsError,
+)
 from training.utils.logging import read_ledger
+from training.utils.rl import training_run
+from training.utils.rl.rollout import invoke
 from training.utils.rl.rollout.types import RolloutSample, sample_from_completion
 
 
@@ -102,7 +111,7 @@ def test_bug_in_rollout_stops_the_run_with_the_original_error(tmp_path):
 
 def test_circuit_breaker_stops_a_run_whose_rollouts_all_fail(tmp_path):
     summary_cfg = cfg(tmp_path, max_steps=10, max_consecutive_rollout_failures=6, max_incomplete_group_retries=0)
-    with pytest.raises(CircuitBreakerError, match="6 consecutive rollout draws failed.*tool returned 503"):
+    with pytest.raises(CircuitBreakerError, match="6 consecutive rollout draws were dropped.*tool returned 503"):
         async_rl_loop.main(summary_cfg, rollout_fn_factory=faulty_factory(lambda *a: "raise"), rows=ROWS)
 
 
@@ -124,3 +133,60 @@ def test_nan_from_a_poisoned_batch_is_skipped_and_counted(tmp_path):
     assert sum(r["train/skipped"] for r in steps) == 1.0
     assert "nonfinite_steps" in summary["health"]
     assert all(t.isfinite().all() for t in load_file(str(tmp_path / "out" / "model.safetensors")).values())
+
+
+def test_a_run_whose_draws_all_return_none_stops_at_once_with_its_own_wording(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(CircuitBreakerError, match="every draw returned None"):
+        async_rl_loop.main(cfg(tmp_path, max_steps=10, max_incomplete_group_retries=0),
+                           rollout_fn_factory=faulty_factory(lambda *a: "none"), rows=ROWS)
+    assert time.monotonic() - start < 60  # not stall_timeout_s (3600 s)
+
+
+def swallows_cancellation_factory(setup):
+    """Row r1's second draw catches CancelledError and keeps going: the bug the run must survive."""
+
+    async def rollout_fn(row, sample_index):
+        if row["id"] == "r1" and sample_index == 1:
+            while True:
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    continue
+        return good_sample(row, sample_index)
+
+    return rollout_fn
+
+
+@pytest.mark.parametrize("recipe", [async_rl_loop, rl_loop], ids=["async_rl_loop", "rl_loop"])
+def test_a_rollout_that_swallows_cancellation_is_named_and_abandoned(tmp_path, monkeypatch, caplog, recipe):
+    monkeypatch.setattr(invoke, "CANCEL_GRACE_S", 0.5)
+    monkeypatch.setattr(training_run, "SHUTDOWN_GRACE_S", 0.5)
+    fields = COMMON | dict(max_steps=4, rollout_timeout_s=1.0, log_path=str(tmp_path / "run"))
+    start = time.monotonic()
+    with pytest.raises(RolloutCancellationError, match="row 'r1' draw 1: rollout_fn was cancelled at its timeout "
+                                                        r"\(rollout_timeout_s=1\) and was still running 0.5s later"):
+        recipe.main(recipe.Config(**fields), rollout_fn_factory=swallows_cancellation_factory, rows=ROWS)
+    # Within the timeout + 60 s the issue allows; shutdown did not wait on the abandoned call.
+    assert time.monotonic() - start < 1.0 + 60
+    assert "ignored cancellation" in caplog.text and "rollout_fn row 'r1' draw 1" in caplog.text
+
+
+@pytest.mark.parametrize("recipe", [async_rl_loop, rl_loop], ids=["async_rl_loop", "rl_loop"])
+def test_a_run_that_keeps_skipping_steps_stops_with_the_cause(tmp_path, recipe):
+    """Every reward overflows float32 once it is an advantage times a logprob: every step is skipped. The run
+    stops at the 4th step (4 of 4 skipped > max_skipped_step_fraction 0.5) instead of exiting 0."""
+
+    def make_rollout_fn(setup):
+        async def rollout_fn(row, sample_index):
+            return good_sample(row, sample_index, reward=3e38)
+
+        return rollout_fn
+
+    fields = COMMON | dict(max_steps=8, advantage_estimator="reinforce", log_path=str(tmp_path / "run"))
+    with pytest.raises(SkippedStepsError, match=r"4 of 4 optimizer steps were skipped \(limits: max_skipped_steps=5, "
+                                                r"max_skipped_step_fraction=0.5\); the last one because gradient norm "
+                                                r"is (nan|inf)"):
+        recipe.main(recipe.Config(**fields), rollout_fn_factory=make_rollout_fn, rows=ROWS)
+    steps = [r for r in read_ledger(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    assert [r["train/skipped"] for r in steps] == [1.0] * 4

@@ -42,23 +42,40 @@ def deterministic_factory(calls):
     return make_rollout_fn
 
 
+def sampling_factory(calls):
+    """Real sampling from the deployment, seeded per (row, draw): the same weights give the same sample, so two
+    recipes sample alike exactly when they sample from the same policy version."""
+
+    def make_rollout_fn(setup):
+        async def rollout_fn(row, row_index, sample_index, submit_version):
+            calls.append((row["id"], sample_index, submit_version))
+            (c,) = await setup.sampler.sample(row["prompt_token_ids"], seed=100 * row_index + sample_index,
+                                              **setup.sample_kwargs)
+            return sample_from_completion(row["prompt_token_ids"], c.output_ids, c.logprobs,
+                                          reward=float(sum(c.output_ids) % 3), finish_reason=c.finish_reason)
+
+        return rollout_fn
+
+    return make_rollout_fn
+
+
 def trained(summary):
     return [r for r in read_ledger(summary["ledger"]) if "train/loss" in r]
 
 
-def run_rl_loop(tmp_path, **overrides):
+def run_rl_loop(tmp_path, factory=deterministic_factory, **overrides):
     calls = []
     cfg = rl_loop.Config(**(COMMON | overrides), log_path=str(tmp_path / "sync"), output_dir=str(tmp_path / "sync_out"))
-    summary = rl_loop.main(cfg, rollout_fn_factory=deterministic_factory(calls), rows=ROWS)
+    summary = rl_loop.main(cfg, rollout_fn_factory=factory(calls), rows=ROWS)
     batches = [sorted({c[0] for c in calls[i:i + 8]}) for i in range(0, len(calls), 8)]
     return summary, batches
 
 
-def run_async(tmp_path, name, **overrides):
+def run_async(tmp_path, name, factory=deterministic_factory, **overrides):
     calls = []
     cfg = async_rl_loop.Config(**(COMMON | overrides), log_path=str(tmp_path / name),
                                output_dir=str(tmp_path / f"{name}_out"))
-    summary = async_rl_loop.main(cfg, rollout_fn_factory=deterministic_factory(calls), rows=ROWS)
+    summary = async_rl_loop.main(cfg, rollout_fn_factory=factory(calls), rows=ROWS)
     return summary, calls
 
 
@@ -66,6 +83,7 @@ def weights(path):
     return load_file(str(path / "model.safetensors"))
 
 
+@pytest.mark.parametrize("factory", [deterministic_factory, sampling_factory], ids=["scripted", "sampled"])
 @pytest.mark.parametrize(
     "name, overrides",
     [
@@ -73,10 +91,11 @@ def weights(path):
         ("o0_one_chunk", dict(max_head_offpolicy_versions=0, pipeline_chunks_per_step=1)),
     ],
 )
-def test_matches_rl_loop_step_for_step(tmp_path, name, overrides):
-    # Two minibatches per batch: the PPO loop's shuffling must match too.
-    reference, batches = run_rl_loop(tmp_path, ppo_minibatches=2)
-    summary, calls = run_async(tmp_path, name, ppo_minibatches=2, **overrides)
+def test_matches_rl_loop_step_for_step(tmp_path, name, overrides, factory):
+    # Two minibatches per batch: the PPO loop's shuffling must match too. With sampled rollouts the samples
+    # match only if every draw samples from the version rl_loop samples from (on-policy).
+    reference, batches = run_rl_loop(tmp_path, factory, ppo_minibatches=2)
+    summary, calls = run_async(tmp_path, name, factory, ppo_minibatches=2, **overrides)
     ours, theirs = trained(summary), trained(reference)
     assert [r["step"] for r in ours] == [1, 2, 3]
     assert [sorted(r["batch/row_ids"]) for r in ours] == batches
@@ -86,9 +105,8 @@ def test_matches_rl_loop_step_for_step(tmp_path, name, overrides):
     assert theirs[-1]["train/ref_kl"] > 0
     final, expected = weights(tmp_path / f"{name}_out"), weights(tmp_path / "sync_out")
     assert all(torch.allclose(final[k], expected[k], atol=1e-6) for k in expected)
-    if overrides.get("max_head_offpolicy_versions") == 0:
-        # On-policy at submission: every draw of batch k was submitted on version k − 1.
-        assert [v for _, _, v in calls] == [0] * 8 + [1] * 8 + [2] * 8
+    # On-policy at submission: every draw of batch k was submitted on version k − 1.
+    assert sorted(v for _, _, v in calls) == [0] * 8 + [1] * 8 + [2] * 8
 
 
 def test_chunked_gradient_accumulation_matches_one_big_step(tmp_path):
@@ -150,4 +168,10 @@ def test_config_validation_names_the_field():
         async_rl_loop.Config(stall_timeout_s=10)
     with pytest.raises(ValueError, match="max_head_offpolicy_versions"):
         async_rl_loop.Config(max_head_offpolicy_versions=-1)
+
+
+def test_synchronous_training_is_on_policy_whatever_the_default_o():
+    assert async_rl_loop.Config(synchronous_training=True).max_head_offpolicy_versions == 0
+    with pytest.raises(ValueError, match="trains on-policy, but max_head_offpolicy_versions=2"):
+        async_rl_loop.Config(synchronous_training=True, max_head_offpolicy_versions=2)
     assert "max_head_offpolicy_versions" not in rl_loop.Config.model_fields

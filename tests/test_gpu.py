@@ -4,6 +4,7 @@ on a GPU machine; CI has none."""
 
 import asyncio
 import copy
+import logging
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from engine_support import greedy_and_sampled
 from training.utils.config import DeploymentConfig, TrainerConfig
 from training.utils.deploy import Engine
+from training.utils.deploy.graphs import DecodeSteps, measure_step_mismatch, relative_tolerance
 from training.utils.model import load_model_and_tokenizer
 from training.utils.tiny_model import tiny_config
 from training.utils.trainer import Datum, Trainer
@@ -63,6 +65,33 @@ def test_captured_decode_steps_match_generate_and_the_trainer():
         assert (torch.tensor(c.logprobs) - trainer_logprobs(model, prompt, c.output_ids, 0.7)).abs().max() < 1e-4
     # Rows joined and left through 16 slots: several (rows, columns) buckets, each captured once.
     assert 1 < stats["graph_captures"] < stats["graph_replays"] == stats["decode_steps"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_steps_pass_the_start_up_self_check(dtype, caplog):
+    """The real self-check on CUDA (`graphs.checked_decode_mode`): captured steps agree with eager ones within the
+    tolerance, and the default engine keeps them, untouched by the check, without a warning."""
+    model, tok = tiny_on_cuda(dtype)
+    diff, scale = measure_step_mismatch(model, capture=True)
+    tolerance = relative_tolerance(dtype) * scale
+    print(f"{dtype}: captured vs eager max |log-softmax difference| {diff:.3g}, tolerance {tolerance:.3g}")
+    assert diff <= tolerance
+
+    async def main():
+        engine = Engine(copy.deepcopy(model), tok, DeploymentConfig())  # auto: graphs on CUDA
+        try:
+            assert isinstance(engine._steps, DecodeSteps) and engine._steps.capture
+            assert engine.stats["graph_captures"] == engine.stats["graph_replays"] == 0
+            (c,) = await engine.generate(list(range(20, 40)), max_tokens=16, temperature=0)
+        finally:
+            engine.close()
+        return c, dict(engine.stats)
+
+    with caplog.at_level(logging.WARNING, logger="training"):
+        c, stats = asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("training")] == []
+    # One request: its first token comes from the prefill, each later one from a replayed graph.
+    assert stats["graph_replays"] == stats["decode_steps"] == len(c.output_ids) - 1
 
 
 def test_weights_synced_in_process_reach_the_captured_steps():

@@ -3,12 +3,13 @@
 import asyncio
 import inspect
 import time
+from collections import Counter
 
 import pytest
 
 from training.recipes import async_rl_loop, rl_loop
 from training.utils.config import SamplingConfig, TrainerConfig
-from training.utils.errors import ConfigError, EvaluationTimeoutError
+from training.utils.errors import ConfigError, EvaluationTimeoutError, NothingTrainedError
 from training.utils.logging import read_ledger
 from training.utils.rl.rollout.types import RolloutRun, sample_from_completion
 
@@ -70,18 +71,21 @@ def test_a_config_of_the_other_recipe_is_refused_by_name():
         rl_loop.main(async_rl_loop.Config(), rollout_fn_factory=shim_like_factory, rows=ROWS)
 
 
+@pytest.mark.parametrize("epochs, batch_sizes", [(1, [4, 4, 2]), (2, [4, 4, 4, 4, 4])])
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
-def test_step_count_and_partial_last_batch_agree(tmp_path, recipe):
-    """10 rows, P=4, one epoch: 3 steps in both recipes, the last one training the 2 rows left."""
+def test_step_count_and_partial_last_batch_agree(tmp_path, recipe, epochs, batch_sizes):
+    """10 rows, P=4: both recipes plan ceil(epochs·10/4) steps, the last one training the rows left, and
+    train every row exactly once per epoch (rl_loop used to round down and drop the remainder)."""
     rows = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(10)]
     extra = {"max_head_offpolicy_versions": 0} if recipe is async_rl_loop else {}
-    cfg = recipe.Config(model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=4,
+    cfg = recipe.Config(model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=4, epochs=epochs,
                         log_path=str(tmp_path / "run"), sampling=SamplingConfig(max_tokens=4), progress=False,
                         **extra)
     summary = recipe.main(cfg, rollout_fn_factory=shim_like_factory, rows=rows)
     steps = [r for r in read_ledger(summary["ledger"]) if "train/loss" in r]
-    assert summary["steps"] == 3 and [len(r["batch/row_ids"]) for r in steps] == [4, 4, 2]
-    assert sorted(row_id for r in steps for row_id in r["batch/row_ids"]) == sorted(row["id"] for row in rows)
+    assert summary["steps"] == len(batch_sizes) and [len(r["batch/row_ids"]) for r in steps] == batch_sizes
+    trained = Counter(row_id for r in steps for row_id in r["batch/row_ids"])
+    assert trained == Counter({row["id"]: epochs for row in rows})
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
@@ -97,3 +101,14 @@ def test_a_hung_evaluation_stops_the_run_with_a_named_error(tmp_path, recipe):
                                                      r"step 0"):
         recipe.main(cfg, rollout_fn_factory=shim_like_factory, rows=ROWS, evaluation_fn=hung_evaluation)
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_a_run_that_trains_nothing_stops_with_the_reasons_instead_of_exiting_0(tmp_path, recipe):
+    """Epochs mode, every group filtered: both recipes stop, naming the reason counts (2 batches, so rl_loop's
+    consecutive-empty-batch stop at 3 does not fire first)."""
+    cfg = recipe.Config(model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=2,
+                        log_path=str(tmp_path / "run"), sampling=SamplingConfig(max_tokens=4), progress=False)
+    with pytest.raises(NothingTrainedError, match=r"no group was trained in the 2 planned steps: rows not trained "
+                                                  r"\{'filtered': 4\}, draws dropped none"):
+        recipe.main(cfg, rollout_fn_factory=shim_like_factory, rows=ROWS[:4], dynamic_filter_fn=lambda group: False)

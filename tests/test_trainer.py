@@ -460,3 +460,236 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradient(model):
         assert (want - got).abs().max() < 1e-5
     for name, grad in grads(model).items():
         assert (grad - want_grads[name]).abs().max() < 1e-6, name
+
+
+# ---- the non-finite update guard ------------------------------------------------------
+
+
+def adamw_state(trainer) -> dict[str, dict]:
+    names = {p: name for name, p in trainer.model.named_parameters()}
+    return {names[p]: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            for p, state in trainer.optimizer.state.items()}
+
+
+def assert_same_state(got: dict[str, dict], want: dict[str, dict]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].keys() == want[name].keys(), name
+        for key, value in want[name].items():
+            assert torch.equal(torch.as_tensor(got[name][key]), torch.as_tensor(value)), (name, key)
+
+
+def overflowing_learning_rate(trainer):
+    # torch refuses the step's scalar lr / (1 − β1^t), which does not fit in float32.
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 1e39
+
+
+def overflowing_weight_decay(trainer):
+    # 1 − lr·wd = −3e38 fits in float32, but a weight of 2 times it does not: an inf weight.
+    trainer.model.model.layers[0].mlp.up_proj.weight.data[0, 0] = 2.0
+    decayed = trainer.optimizer.param_groups[0]
+    decayed["lr"], decayed["weight_decay"] = 1e19, 3e19
+
+
+@pytest.mark.parametrize("poison", [overflowing_learning_rate, overflowing_weight_decay])
+def test_a_non_finite_update_is_undone_and_skipped(model, caplog, poison):
+    datums = random_datums([10, 7])
+    trainer = Trainer(model, TrainerConfig(learning_rate=1e-2))
+    trainer.forward_backward(datums, nll_loss)
+    assert trainer.optim_step()["skipped"] == 0.0
+    poison(trainer)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = adamw_state(trainer)
+
+    trainer.forward_backward(datums, nll_loss)
+    with caplog.at_level(logging.WARNING, logger="training.utils.trainer"):
+        stats = trainer.optim_step()
+
+    assert stats["skipped"] == 1.0 and math.isfinite(stats["grad_norm"])
+    assert trainer.skipped_steps == 1 and trainer.step == 1
+    for name, p in model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+        assert p.grad is None
+    assert_same_state(adamw_state(trainer), state)
+    [message] = [r.getMessage() for r in caplog.records if "skipped optimizer step" in r.getMessage()]
+    assert "update" in message and "gradient norm is" not in message
+    # With a sane learning rate (and no decay, as configured) again, the next step applies.
+    for group in trainer.optimizer.param_groups:
+        group["lr"], group["weight_decay"] = 1e-2, 0.0
+    trainer.forward_backward(datums, nll_loss)
+    assert trainer.optim_step()["skipped"] == 0.0 and trainer.step == 2
+
+
+def test_a_learning_rate_the_config_accepts_but_float32_cannot_hold_skips_the_first_step(model):
+    trainer = Trainer(model, TrainerConfig(learning_rate=1e39))
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer.forward_backward(random_datums([10, 7]), nll_loss)
+    assert trainer.optim_step()["skipped"] == 1.0
+    assert trainer.skipped_steps == 1 and trainer.step == 0 and adamw_state(trainer) == {}
+    for name, p in model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+
+
+def test_a_normal_step_changes_weights_and_state_without_an_undo_copy(model, monkeypatch):
+    from training.utils.trainer import core
+
+    def no_copy(*args):
+        raise AssertionError("a normal step took an undo copy")
+
+    monkeypatch.setattr(core, "snapshot_params", no_copy)
+    datums = random_datums([10, 7])
+    trainer = Trainer(model, TrainerConfig(learning_rate=1e-2))
+    weight = model.model.layers[0].mlp.up_proj.weight
+    trainer.forward_backward(datums, nll_loss)
+    trainer.optim_step()
+    after_one = weight.detach().clone()
+    state = adamw_state(trainer)["model.layers.0.mlp.up_proj.weight"]
+    trainer.forward_backward(datums, nll_loss)
+    assert trainer.optim_step()["skipped"] == 0.0
+    later = adamw_state(trainer)["model.layers.0.mlp.up_proj.weight"]
+    assert not torch.equal(weight, after_one)
+    assert later["step"].item() == 2 and not torch.equal(later["exp_avg"], state["exp_avg"])
+    assert trainer.step == 2 and trainer.skipped_steps == 0
+
+
+def test_a_non_finite_gradient_still_skips_with_the_state_untouched(model, caplog):
+    datums = random_datums([10, 7])
+    trainer = Trainer(model, TrainerConfig(learning_rate=1e-2))
+    trainer.forward_backward(datums, nll_loss)
+    trainer.optim_step()
+    state = adamw_state(trainer)
+
+    trainer.forward_backward(datums, lambda logprobs, mb: ((logprobs * mb.weights).sum() * float("inf"), {}))
+    with caplog.at_level(logging.WARNING, logger="training.utils.trainer"):
+        stats = trainer.optim_step()
+    assert stats["skipped"] == 1.0 and not math.isfinite(stats["grad_norm"])
+    assert trainer.skipped_steps == 1 and trainer.step == 1
+    assert_same_state(adamw_state(trainer), state)
+    assert any("gradient norm is" in r.getMessage() for r in caplog.records)
+
+
+def test_an_edited_adamw_state_that_overflows_raises(model):
+    """Outside the bound's premise there is no undo copy: the step raises rather than train on."""
+    datums = random_datums([10, 7])
+    trainer = Trainer(model, TrainerConfig(learning_rate=1e-2))
+    trainer.forward_backward(datums, nll_loss)
+    trainer.optim_step()
+    state = trainer.optimizer.state[model.model.layers[0].mlp.up_proj.weight]
+    state["exp_avg"].fill_(3e38)
+    state["exp_avg_sq"].zero_()
+    trainer.forward_backward(datums, nll_loss)
+    with pytest.raises(RuntimeError, match="bound"):
+        trainer.optim_step()
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999), (0.0, 0.5), (0.5, 0.3), (0.0, 0.0)])
+def test_adam_step_bound_holds_for_wild_gradients(betas):
+    from training.utils.trainer.optim import adam_step_bound
+
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.zeros(4096, requires_grad=True)
+    optimizer = torch.optim.AdamW([weights], lr=1.0, betas=betas, weight_decay=0.0)
+    largest_move = 0.0
+    for _ in range(60):
+        # Scales spanning 12 orders of magnitude from one step to the next.
+        scale = 10.0 ** torch.randint(-8, 4, (4096,), generator=generator)
+        weights.grad = torch.randn(4096, generator=generator) * scale
+        before = weights.detach().clone()
+        optimizer.step()
+        largest_move = max(largest_move, (weights.detach() - before).abs().max().item())
+    assert largest_move <= adam_step_bound(1.0, betas) * (1 + 1e-4)
+    assert adam_step_bound(1.0, (0.9, 0.8)) == math.inf  # β1² ≥ β2: no step-independent bound
+
+
+# ---- the compiled layers' start-up check -----------------------------------------------
+
+
+def fresh_model():
+    torch.manual_seed(0)
+    return load_model_and_tokenizer(tiny_config(VOCAB), device="cpu")[0]
+
+
+def raising_layer_call(layer):
+    def call(*args, **kwargs):
+        raise RuntimeError("the compiler failed\n(a page of details)")
+    return call
+
+
+def perturbed_layer_call(layer):
+    def call(*args, **kwargs):
+        return layer._call_impl(*args, **kwargs) + 0.5
+    return call
+
+
+@pytest.mark.parametrize(("make_call", "first_call", "reason"), [
+    (raising_layer_call, "logprobs", "raised RuntimeError: the compiler failed"),
+    (perturbed_layer_call, "forward_backward", "away from the eager ones"),
+])
+def test_a_failing_compilation_is_undone_with_one_warning(monkeypatch, caplog, make_call, first_call, reason):
+    datums = random_datums([23, 6, 14, 31, 2, 9])
+    eager_model = fresh_model()
+    eager = Trainer(eager_model, TrainerConfig(max_tokens_per_microbatch=32))
+    model = fresh_model()
+
+    def fake_compile(self, *args, **kwargs):
+        self._compiled_call_impl = make_call(self)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", fake_compile)
+    trainer = Trainer(model, TrainerConfig(max_tokens_per_microbatch=32, compile_layers=True))
+    with caplog.at_level(logging.WARNING, logger="training.utils.trainer"):
+        if first_call == "logprobs":
+            for got, want in zip(trainer.logprobs(datums), eager.logprobs(datums)):
+                assert torch.equal(got, want)
+        trainer.forward_backward(datums, token_mean_pg_loss)
+        eager.forward_backward(datums, token_mean_pg_loss)
+        for got, want in zip(trainer.logprobs(datums, with_entropy=True), eager.logprobs(datums, with_entropy=True)):
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+    eager_grads = grads(eager_model)
+    for name, grad in grads(model).items():
+        assert torch.equal(grad, eager_grads[name]), name
+    assert trainer.compiled_layers is None
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    [warning] = [r.getMessage() for r in caplog.records if "compile_layers" in r.getMessage()]
+    assert reason in warning and "(a page of details)" not in warning
+    assert "set trainer.compile_layers=false" in warning.lower()
+
+
+def test_compiled_logprob_tolerances():
+    from training.utils.trainer.compiled import compiled_logprob_mismatch
+
+    eager = torch.tensor([[-0.5, -3.0, -20.0, 0.0]])
+    assert compiled_logprob_mismatch(eager + 5e-4, eager, "fp32") is None
+    assert compiled_logprob_mismatch(eager + 5e-3, eager, "fp32") is not None
+    assert compiled_logprob_mismatch(eager + 0.05, eager, "bf16-autocast") is None
+    assert compiled_logprob_mismatch(eager + 1.0, eager, "bf16") is not None
+    nan = torch.tensor([[float("nan"), -1.0]])
+    assert compiled_logprob_mismatch(nan, torch.tensor([[-1.0, -1.0]]), "fp32") is not None
+    assert compiled_logprob_mismatch(nan, nan.clone(), "fp32") is None
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="torch.compile on CPU needs a C++ compiler")
+def test_a_compilation_that_matches_eager_is_kept(model, monkeypatch, caplog):
+    from training.utils.trainer import core
+
+    verdicts = []
+    mismatch = core.compiled_logprob_mismatch
+
+    def recording_mismatch(*args):
+        verdicts.append(mismatch(*args))
+        return verdicts[-1]
+
+    monkeypatch.setattr(core, "compiled_logprob_mismatch", recording_mismatch)
+    datums = random_datums([23, 6, 14, 31, 2, 9])
+    trainer = Trainer(model, TrainerConfig(max_tokens_per_microbatch=32, compile_layers=True))
+    with caplog.at_level(logging.WARNING, logger="training.utils.trainer"):
+        trainer.logprobs(datums)
+        trainer.forward_backward(datums, token_mean_pg_loss)
+        trainer.logprobs(datums)
+    # One check per grad mode (each compiles its own graph), both passed.
+    assert verdicts == [None, None]
+    assert trainer.compiled_layers is not None and trainer.compiled_layers.checked_grad_modes == {False, True}
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    assert not [r for r in caplog.records if "compile_layers" in r.getMessage()]

@@ -35,6 +35,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -73,7 +74,8 @@ class Config(RLConfig):
     """Reject a group whose rows would train more than this many versions after submission; None keeps all."""
     synchronous_training: bool = False
     """No overlap: before each batch trains, every in-flight rollout settles, and no row starts while
-    it trains. The baseline for measuring what asynchrony buys (chunks are then 1)."""
+    it trains; on-policy, so O is 0 (left unset it becomes 0; any other O is refused). The baseline for
+    measuring what asynchrony buys (chunks are then 1)."""
 
     # -- failures ------------------------------------------------------------------------
     max_consecutive_rollout_failures: int = Field(10, ge=1)
@@ -89,8 +91,20 @@ class Config(RLConfig):
     producer_metrics_interval_s: float = Field(10.0, gt=0)
     """Producer gauges are logged (on the `producer/event` axis) at most this often, when they changed."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _synchronous_is_on_policy(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("synchronous_training") and "max_head_offpolicy_versions" not in data:
+            data = {**data, "max_head_offpolicy_versions": 0}
+        return data
+
     @model_validator(mode="after")
     def _check_async(self) -> Config:
+        if self.synchronous_training and self.max_head_offpolicy_versions:
+            raise ValueError(
+                f"synchronous_training=True trains on-policy, but max_head_offpolicy_versions="
+                f"{self.max_head_offpolicy_versions} lets rows sample from older weights; leave it unset (0)"
+            )
         c, g = self.max_concurrency_rollout_sample, self.completions_per_prompt
         if c is not None and c < g:
             raise ValueError(
@@ -130,11 +144,14 @@ async def train_loop(run: TrainingRun, *, dynamic_filter_fn=None) -> None:
             coordinator.publish(batch, run.deployment.version)
             # 5. Metrics, evaluation, checkpoint.
             now = time.monotonic()
-            metrics |= step_metrics(batch, coordinator, producer, run.deployment, t_published,
+            rejected, reasons = coordinator.take_rejected()
+            run.count_rejected([row.settled for row in batch.rows] + rejected, reasons)
+            metrics |= step_metrics(batch, rejected, reasons, producer, run.deployment, t_published,
                                     step_time=now - t_published, train_time=train_time, sync_time=sync_time)
             t_published = now
             await run.end_step(batch.id, metrics)
         await producer_task
+        run.count_rejected(*coordinator.take_rejected())  # rows rejected after the last batch
     finally:
         # The producer stops first: it cancels every rollout in flight before anything they use closes.
         if not producer_task.done():
@@ -205,12 +222,12 @@ def chunk_groups(chunk: Chunk, cfg: Config) -> list[PromptGroup]:
     return groups
 
 
-def step_metrics(batch, coordinator: BatchCoordinator, producer: RolloutProducer, deployment: Deployment,
-                 step_start: float, *, step_time: float, train_time: float, sync_time: float) -> dict[str, float]:
+def step_metrics(batch, rejected: list[SettledRow], reasons: Counter, producer: RolloutProducer,
+                 deployment: Deployment, step_start: float, *, step_time: float, train_time: float,
+                 sync_time: float) -> dict[str, float]:
     """`rollout/*` over this batch's rows plus the rows rejected since the last step; `async/*`
     and `perf/*` of this batch."""
     groups = [row.group for row in batch.rows]
-    rejected, reasons = coordinator.take_rejected()
     counts = reasons + Counter(accepted=len(groups))
     samples = sum(len(g.runs_G) for g in groups)
     metrics = rollout_metrics([row.settled for row in batch.rows] + rejected, groups, counts)

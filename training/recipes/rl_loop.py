@@ -70,6 +70,7 @@ async def train_loop(run: TrainingRun, *, dynamic_filter_fn=None) -> None:
                                        vocab_size=run.policy.model.config.vocab_size, version=run.deployment.version)
         groups, counts = build_groups(settled_P, cfg.advantage_estimator, dynamic_filter_fn)
         metrics = rollout_metrics(settled_P, groups, counts)
+        run.count_rejected(settled_P, +(counts - Counter(accepted=counts["accepted"])))
         t_sampled = time.monotonic()
         if groups:
             empty_batches = 0
@@ -77,7 +78,7 @@ async def train_loop(run: TrainingRun, *, dynamic_filter_fn=None) -> None:
             datums_D = [d for g in groups for d in g.datums]
             metrics |= await run.worker.run(train_batch, run.policy, run.reference, datums_D, cfg, run.rng)
         else:
-            empty_batches = check_empty_batch(empty_batches, settled_P, cfg)
+            empty_batches = check_empty_batch(empty_batches, settled_P, counts, cfg)
         t_trained = time.monotonic()
         # 4. Publish: push weights, and only then bump the version rollouts see.
         if groups:
@@ -143,14 +144,16 @@ async def sample_row(
     return SettledRow(item.row_id, item.row, [], drops, attempt, rejected=True, submit_version=version)
 
 
-def check_empty_batch(empty_batches: int, settled_P: list[SettledRow], cfg: Config) -> int:
+def check_empty_batch(empty_batches: int, settled_P: list[SettledRow], counts: Counter, cfg: Config) -> int:
     """Count a batch with no trainable group; too many in a row means the rollouts are broken."""
     empty_batches += 1
     drops = sum((s.drop_reasons for s in settled_P), Counter())
-    log.warning("batch produced no trainable group (drops: %s); skipping the optimizer step", dict(drops) or "none")
+    rows = dict(+counts) or "none"
+    log.warning("batch produced no trainable group (rows: %s; draws dropped: %s); skipping the optimizer step",
+                rows, dict(drops) or "none")
     if empty_batches >= cfg.max_consecutive_empty_batches:
         raise CircuitBreakerError(
-            f"{empty_batches} consecutive batches produced no trainable group; draw drops: {dict(drops)}. "
-            "Rollouts keep failing or every group is filtered out."
+            f"{empty_batches} consecutive batches produced no trainable group (last batch's rows: {rows}; draws "
+            f"dropped: {dict(drops) or 'none'}). Rollouts keep failing or every group is filtered out."
         )
     return empty_batches

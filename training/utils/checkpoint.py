@@ -1,4 +1,4 @@
-"""Resumable checkpoints through `torch.distributed.checkpoint` (DCP).
+"""Resumable checkpoints through `torch.distributed.checkpoint` (DCP), checked before they are trusted.
 
 A checkpoint is one directory `<log_path>/checkpoints/step-<N>/` holding a DCP snapshot of
 
@@ -9,18 +9,40 @@ A checkpoint is one directory `<log_path>/checkpoints/step-<N>/` holding a DCP s
   offset, dataset cursor), a JSON-serializable dict,
 - the RNG states (torch, CUDA, numpy generator, Python `random`),
 
-plus `progress.json`, a readable copy of `progress`. It is written to `step-<N>.tmp/` and
-renamed when complete, so a crash mid-save leaves the previous checkpoint as the newest
-one. In a single process DCP runs without a process group (`no_dist=True`). Under torchrun
-every rank calls `save_checkpoint` / `load_checkpoint` with the same arguments: each rank
-writes its own shards, rank 0 the replicated entries (its RNG states, the JSON leaf) and the
-directory work; a checkpoint loads on any number of ranks, one included (DCP reshards).
+plus `progress.json`, a readable copy of `progress`, and `checksums.json`, the size and sha256 of every
+other file, written last. It is written to `step-<N>.tmp/`, every file and the directory are fsynced,
+then it is renamed and the parent directory fsynced, so neither a crash mid-save nor a power loss
+leaves anything but the previous checkpoint as the newest complete one.
+
+Integrity rules:
+- `load_checkpoint` checks the files against `checksums.json` before reading any of them and raises
+  `CheckpointError` naming a missing, truncated or changed file. A checkpoint from before checksums
+  (no manifest) loads with a warning that it cannot be verified.
+- `load_latest_verified` (what the recipes call at start-up) loads an explicitly named checkpoint or
+  fails; otherwise it walks back from the newest checkpoint past damaged ones with a warning each,
+  and raises `CheckpointError` if none loads. A later save deletes checkpoints with a higher step
+  than its own (the damaged one it fell back past), so they cannot outrank the resumed run.
+- Only names exactly `step-<digits>` are checkpoints; anything else in `checkpoints/` is ignored.
+  Leftover `step-<digits>.tmp` directories of an interrupted save are never loaded; start-up and the
+  next save delete them.
+
+In a single process DCP runs without a process group (`no_dist=True`). Under torchrun every rank calls
+`save_checkpoint` / `load_checkpoint` / `load_latest_verified` with the same arguments: each rank
+writes its own shards, rank 0 the replicated entries (its RNG states, the JSON leaf) and the directory
+work (once every rank has written: it hashes all ranks' files, renames, prunes), and rank 0 verifies
+on load and tells the other ranks its verdict; a checkpoint loads on any number of ranks, one
+included (DCP reshards).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import pickle
 import random
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -31,15 +53,37 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from training.utils import distributed
-from training.utils.errors import ConfigError
+from training.utils.errors import CheckpointError, ConfigError
 from training.utils.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 PROGRESS_FILE = "progress.json"
+MANIFEST_FILE = "checksums.json"
+"""Size and sha256 of every other file of a checkpoint, written last before the rename."""
+_DCP_METADATA = ".metadata"
 _PREFIX = "step-"
+_CHECKPOINT_NAME = re.compile(r"step-(\d+)")
+_LEFTOVER_NAME = re.compile(r"step-\d+\.tmp")
+_ADVICE = ("Set init_from_checkpoint to a good checkpoint directory, or remove the damaged one "
+           "(removing every checkpoint starts the run from scratch).")
+# What reading damaged files raises when no manifest caught the damage first: torch.load's EOFError and
+# zip RuntimeError, DCP's asserts, pickle errors in the metadata, and DCP's wrapper of a peer rank's error.
+_READ_ERRORS = (EOFError, RuntimeError, AssertionError, OSError, ValueError, pickle.UnpicklingError,
+                CheckpointException)
+
+
+class _Unloadable(Exception):
+    """A checkpoint failed its checks or could not be read; `problem` names the file and what is wrong."""
+
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem = problem
 
 
 def checkpoint_root(log_path: str | Path) -> Path:
@@ -47,26 +91,24 @@ def checkpoint_root(log_path: str | Path) -> Path:
 
 
 def latest_checkpoint(log_path: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under `log_path`, or None."""
-    root = checkpoint_root(log_path)
-    if not root.is_dir():
-        return None
-    complete = [p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and _is_complete(p)]
-    return max(complete, key=_step_of, default=None)
+    """The complete checkpoint with the highest step under `log_path`, or None. Its files are not
+    checked here: `load_checkpoint` does that, and `load_latest_verified` falls back past damage."""
+    complete = [p for p in _checkpoints(checkpoint_root(log_path)) if _is_complete(p)]
+    return complete[-1] if complete else None
 
 
 def save_checkpoint(
     log_path: str | Path, step: int, *, policy: Trainer, progress: dict[str, Any], np_rng: np.random.Generator,
     keep: int = 2,
 ) -> Path:
-    """Write `step-<step>` atomically and delete all but the newest `keep` checkpoints."""
+    """Write `step-<step>` atomically and durably, with checksums, and delete all but the newest `keep` checkpoints."""
     root = checkpoint_root(log_path)
     final = root / f"{_PREFIX}{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     if distributed.is_main():
-        for stale in (tmp, final):
-            if stale.exists():
-                shutil.rmtree(stale)
+        _remove_leftovers(root)
+        if final.exists():
+            shutil.rmtree(final)
         tmp.mkdir(parents=True)
     distributed.barrier()  # the empty directory exists before any rank writes into it
     state = _state(policy, np_rng, progress)
@@ -74,21 +116,109 @@ def save_checkpoint(
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed(), planner=planner)
-    # DCP's save ends with rank 0 writing the metadata once every rank's shards are written.
+    # DCP's save is collective and ends with rank 0 writing the metadata after every rank's shards; the
+    # barrier states that rank 0 hashes below only files whose writers are done.
+    distributed.barrier()
     if not distributed.is_main():
         return final
     (tmp / PROGRESS_FILE).write_text(json.dumps(progress, indent=1, default=str))
+    _seal(tmp)
     tmp.rename(final)
-    for old in sorted((p for p in root.glob(f"{_PREFIX}*") if _is_complete(p)), key=_step_of)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(root)  # the rename itself survives a power loss only once the parent directory is synced
+    _prune(root, step, keep)
     return final
 
 
 def load_checkpoint(path: str | Path, *, policy: Trainer, np_rng: np.random.Generator) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and RNG states in place; return the saved `progress`."""
+    """Check `path` against its checksums, then restore weights, optimizer, scheduler and RNG states in
+    place; return the saved `progress`.
+
+    Raises `CheckpointError` naming the file when one is missing, truncated or changed (nothing is
+    loaded then), and `ConfigError` when `path` is not a directory.
+    """
     path = Path(path)
-    if not _is_complete(path):
-        raise ConfigError(f"{path} is not a complete checkpoint (no {PROGRESS_FILE} or DCP metadata)")
+    try:
+        return _load_checked(path, policy, np_rng)
+    except _Unloadable as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {exc.problem}. {_ADVICE}") from exc.__cause__
+
+
+def load_latest_verified(
+    log_path: str | Path, explicit_path: str | Path | None = None, *, policy: Trainer, np_rng: np.random.Generator,
+) -> tuple[Path, dict[str, Any]] | None:
+    """Resume: load `explicit_path` if given, else the newest checkpoint under `log_path` that passes its
+    checks; return `(path, progress)`, or None when `log_path` has no checkpoint.
+
+    A damaged newest checkpoint is skipped with a warning naming the bad file, and the one before it
+    tried. A damaged `explicit_path` raises `CheckpointError` without falling back (that checkpoint
+    was asked for), as does finding no checkpoint that loads. Leftover `.tmp` directories of an
+    interrupted save are deleted first.
+    """
+    if explicit_path:
+        path = Path(explicit_path)
+        return path, load_checkpoint(path, policy=policy, np_rng=np_rng)
+    root = checkpoint_root(log_path)
+    if distributed.is_main():
+        _remove_leftovers(root)
+    candidates = distributed.broadcast_object(_checkpoints(root)[::-1] if distributed.is_main() else None)
+    problems = []
+    for path in candidates:
+        try:
+            return path, _load_checked(path, policy, np_rng)
+        except _Unloadable as exc:
+            problems.append(exc.problem)
+            if distributed.is_main():
+                log.warning("checkpoint %s is damaged, falling back to the previous one: %s", path.name, exc.problem)
+    if problems:
+        raise CheckpointError(f"no checkpoint under {root} can be loaded: {'; '.join(problems)}. {_ADVICE}")
+    return None
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """What makes the checkpoint at `path` unfit to load (naming the file), or None if it is fit.
+
+    With a manifest every listed file must exist with its recorded size and sha256; without one (a
+    checkpoint from before checksums) only the DCP metadata and `progress.json` must be present.
+    """
+    path = Path(path)
+    for required in (PROGRESS_FILE, _DCP_METADATA):
+        if not (path / required).is_file():
+            return f"{path / required} is missing"
+    if not (path / MANIFEST_FILE).is_file():
+        return None
+    try:
+        expected = _read_manifest(path / MANIFEST_FILE)
+    except (OSError, ValueError) as exc:
+        return f"{path / MANIFEST_FILE} is unreadable ({exc})"
+    for name, (size, digest) in expected.items():
+        problem = _file_problem(path / name, size, digest)
+        if problem:
+            return problem
+    return None
+
+
+def _load_checked(path: Path, policy: Trainer, np_rng: np.random.Generator) -> dict[str, Any]:
+    """Verify (on rank 0, whose verdict every rank shares), then restore; raises `_Unloadable`."""
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a checkpoint directory")
+    problem, verified = distributed.broadcast_object(
+        (verify_checkpoint(path), (path / MANIFEST_FILE).is_file()) if distributed.is_main() else None)
+    if problem:
+        raise _Unloadable(problem)
+    if not verified and distributed.is_main():
+        log.warning("checkpoint %s has no %s (written before checkpoints carried checksums): loading it "
+                    "unverified", path, MANIFEST_FILE)
+    try:
+        return _restore(path, policy, np_rng)
+    except _READ_ERRORS as exc:
+        if verified:
+            raise  # the bytes are the ones written, so this is not damage: let it surface as it is
+        raise _Unloadable(f"{path} could not be read, and without {MANIFEST_FILE} the damaged file is "
+                          f"unknown: {exc!r}") from exc
+
+
+def _restore(path: Path, policy: Trainer, np_rng: np.random.Generator) -> dict[str, Any]:
+    """Read the DCP snapshot at `path` into the policy and the RNGs; return `progress`."""
     # DCP loads in place into a template of the same structure: tensors of the right shapes,
     # and the JSON string, which it replaces.
     state = _state(policy, np_rng, progress={})
@@ -150,9 +280,101 @@ class _single_process_quiet(warnings.catch_warnings):
         return self
 
 
+def _checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories under `root`, oldest first: only names exactly `step-<digits>` count, so a
+    stray `step-6.bak` or a leftover `.tmp` is never parsed, picked or pruned."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir()), key=_step_of)
+
+
+def _prune(root: Path, saved_step: int, keep: int) -> None:
+    """Keep the newest `keep` checkpoints up to `saved_step`, the one just written. Any with a higher step
+    goes too: this run resumed from before it (past a damaged one, or from `init_from_checkpoint`), so it
+    belongs to a replaced future, and left in place it would outrank, and with a small `keep` prune, the
+    checkpoints this run writes."""
+    checkpoints = _checkpoints(root)
+    for replaced in (p for p in checkpoints if _step_of(p) > saved_step):
+        log.warning("deleting checkpoint %s: this run continued from an earlier one and has now saved step %d",
+                    replaced, saved_step)
+        shutil.rmtree(replaced, ignore_errors=True)
+    for old in [p for p in checkpoints if _step_of(p) <= saved_step][:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Delete the `step-<digits>.tmp` entries interrupted saves left, so they cannot accumulate."""
+    if not root.is_dir():
+        return
+    for leftover in root.iterdir():
+        if _LEFTOVER_NAME.fullmatch(leftover.name):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
+
 def _is_complete(path: Path) -> bool:
-    return not path.name.endswith(".tmp") and (path / PROGRESS_FILE).is_file() and (path / ".metadata").is_file()
+    return (path / PROGRESS_FILE).is_file() and (path / _DCP_METADATA).is_file()
 
 
 def _step_of(path: Path) -> int:
-    return int(path.name[len(_PREFIX):])
+    return int(_CHECKPOINT_NAME.fullmatch(path.name).group(1))
+
+
+def _seal(directory: Path) -> None:
+    """Record the size and sha256 of every file under `directory` in its manifest, and make the files,
+    the manifest and the directory entries durable, so the rename that follows publishes only bytes on disk."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    entries = {p.relative_to(directory).as_posix(): _hash_and_sync(p) for p in files}
+    manifest = directory / MANIFEST_FILE
+    with manifest.open("w") as f:
+        json.dump({"algorithm": "sha256", "files": entries}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    for folder in sorted({directory, *(p.parent for p in files)}, reverse=True):
+        _fsync_dir(folder)
+
+
+def _hash_and_sync(file: Path) -> dict[str, Any]:
+    """The manifest entry of `file`; also fsyncs it, so every file is on disk before the rename, whoever wrote it."""
+    with file.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        # On Linux fsync flushes the file's dirty pages whichever descriptor asks, a read-only one included.
+        os.fsync(f.fileno())
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": digest}
+
+
+def _sha256(file: Path) -> str:
+    with file.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _read_manifest(manifest: Path) -> dict[str, tuple[int, str]]:
+    """`{relative path: (size, sha256)}`; raises ValueError when the manifest is malformed."""
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        return {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed: {exc!r}") from exc
+
+
+def _file_problem(file: Path, size: int, digest: str) -> str | None:
+    """Why `file` is not the one the manifest recorded, or None. Size first: it is free, and a truncation."""
+    if not file.is_file():
+        return f"{file} is missing"
+    actual = file.stat().st_size
+    if actual != size:
+        return f"{file} is truncated or overwritten ({actual} bytes, {size} were written)"
+    if _sha256(file) != digest:
+        return f"{file} does not match its sha256 checksum (its bytes changed after it was written)"
+    return None
+
+
+def _fsync_dir(directory: Path) -> None:
+    # New entries and renames in a directory are durable only once the directory itself is synced.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

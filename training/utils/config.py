@@ -7,7 +7,7 @@ construction, so a typo or an impossible value fails before any model is loaded.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -19,22 +19,30 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+"""A float that must be finite. A `gt=0` bound lets inf through (nan fails any bound); fields whose inf would
+poison the run (a learning rate, a loss weight, a timeout that reaches aiohttp or timedelta) take this type."""
+
+AdamBeta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+"""One AdamW decay rate: in [0, 1). At 1 the moment estimates never forget and their bias correction divides by 0."""
+
+
 class TrainerConfig(StrictModel):
     """The local policy trainer: optimizer, schedule and micro-batching."""
 
-    learning_rate: float = Field(1e-6, gt=0)
+    learning_rate: FiniteFloat = Field(1e-6, gt=0)
     """Peak AdamW learning rate."""
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW (beta1, beta2)."""
-    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.95)
+    """AdamW (beta1, beta2), each in [0, 1)."""
+    weight_decay: FiniteFloat = Field(0.0, ge=0)
     """Decoupled AdamW weight decay."""
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    """Clip the global gradient norm to this value; None disables clipping (the norm is still reported)."""
+    max_grad_norm: FiniteFloat | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; None (not inf) disables clipping (the norm is still reported)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Shape after warmup: constant, linear decay to `min_lr_ratio`, or cosine decay to `min_lr_ratio`."""
     warmup_steps: int = Field(0, ge=0)
     """Optimizer steps of linear warmup from 0 to the peak learning rate."""
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    min_lr_ratio: FiniteFloat = Field(0.0, ge=0, le=1)
     """Final learning rate of the linear/cosine schedules, as a fraction of the peak."""
     total_steps: int | None = Field(None, gt=0)
     """Optimizer steps the decay spans; recipes fill it from the run length when unset."""
@@ -57,10 +65,12 @@ class TrainerConfig(StrictModel):
     compile_layers: bool = False
     """`torch.compile` each decoder layer (dynamic shapes): fuses the norms, rotary embedding, activation and
     residual adds, which a GPU otherwise runs as separate memory-bound kernels. The first call compiles (tens of
-    seconds; all layers share one compilation); results match eager to float rounding."""
+    seconds; all layers share one compilation); results match eager to float rounding. The first micro-batch
+    of logprobs and of training each runs compiled and eager too: if the compiled pass raises or its logprobs
+    disagree beyond rounding, the trainer warns once and runs the layers eagerly from then on."""
     logprob_chunk_tokens: int = Field(1024, gt=0)
     """Tokens per chunk when turning logits into logprobs, bounding the float32 vocab-sized buffer."""
-    distributed_timeout_s: float = Field(1800.0, gt=0)
+    distributed_timeout_s: FiniteFloat = Field(1800.0, gt=0)
     """Under torchrun (README: Scaling out): longest wait of one collective (gradient reduction, weight
     gather, checkpoint) before the rank fails with an error instead of hanging."""
 
@@ -70,9 +80,9 @@ class TrainerConfig(StrictModel):
     adapters train, the reference for `kl_beta` is the same model with adapters disabled (no second copy),
     weight sync and `save_hf` send merged weights, and checkpoints hold the adapters. LoRA usually wants a
     learning rate about 10x higher than full fine-tuning."""
-    lora_alpha: float = Field(32.0, gt=0)
+    lora_alpha: FiniteFloat = Field(32.0, gt=0)
     """Adapter scale: the update is (lora_alpha / lora_rank)·B·A."""
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_dropout: FiniteFloat = Field(0.0, ge=0, lt=1)
     """Dropout on the adapter input while training. Keep 0 for RL: with dropout the training pass no longer
     computes the anchor's distribution, so the ratio is not 1 on the first step."""
     lora_target_modules: list[str] = Field(
@@ -88,15 +98,15 @@ class SamplingConfig(StrictModel):
 
     max_tokens: int = Field(256, gt=0)
     """Maximum new tokens per completion."""
-    temperature: float = Field(1.0, ge=0)
+    temperature: FiniteFloat = Field(1.0, ge=0)
     """Sampling temperature; the trainer computes logprobs at the same temperature. 0 means greedy."""
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: FiniteFloat = Field(1.0, gt=0, le=1)
     """Nucleus sampling; keep 1.0 for RL so the sampled distribution is the one the trainer scores."""
     top_k: int = Field(0, ge=0)
     """Top-k sampling; 0 disables it (keep it off for RL for the same reason as top_p)."""
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings; the tokenizer's EOS always stops."""
-    timeout_s: float = Field(300.0, gt=0)
+    timeout_s: FiniteFloat = Field(300.0, gt=0)
     """Per-request timeout; a request that exceeds it is aborted and reported as a recoverable error."""
 
 
@@ -130,7 +140,9 @@ class DeploymentConfig(StrictModel):
     """How the embedded engine runs a decode step. `graphs` (CUDA only): captured CUDA graphs, one per (rows,
     columns) bucket, replayed without launch overhead. `eager`: a plain forward over the live rows and columns.
     `static`: the graphs' static-shape step run without capture, to tell a capture problem from a shape problem.
-    `auto`: graphs on CUDA, eager elsewhere."""
+    `auto`: graphs on CUDA, eager elsewhere. `graphs` and `static` (chosen or set) are checked at start-up against
+    the eager step on a small batch; if they raise or their logits differ beyond rounding, the engine runs eager
+    steps and warns why (docs/engine-decode-loop.md: Start-up self-check). `eager` skips the check."""
     max_batch_requests: int = Field(64, gt=0)
     """Most sequences the engine decodes at once."""
     max_context_tokens: int | None = Field(None, gt=0)
@@ -183,16 +195,25 @@ class DeploymentConfig(StrictModel):
 class TISConfig(StrictModel):
     """Train-inference mismatch correction: weight each token by clip(exp(π_old − μ), 0, cap)."""
 
-    cap: float = Field(2.0, gt=0)
+    cap: FiniteFloat = Field(2.0, gt=0)
     """Upper clip of the importance weight (truncated importance sampling)."""
     level: Literal["token", "sequence"] = "token"
     """`token`: one weight per token; `sequence`: the geometric mean over the sequence, broadcast."""
-    icepop_beta: float | None = Field(None, gt=1)
+    icepop_beta: FiniteFloat | None = Field(None, gt=1)
     """IcePop: zero the gradient of tokens whose ratio exp(π_old − μ) leaves [1/β, β]."""
-    seq_mask_low: float | None = Field(None, gt=0)
+    seq_mask_low: FiniteFloat | None = Field(None, gt=0)
     """Seq-mask TIS: drop whole sequences whose geometric-mean ratio is below this."""
-    seq_mask_high: float | None = Field(None, gt=0)
+    seq_mask_high: FiniteFloat | None = Field(None, gt=0)
     """Seq-mask TIS: drop whole sequences whose geometric-mean ratio is above this."""
+
+    @model_validator(mode="after")
+    def _seq_mask_bounds_ordered(self) -> TISConfig:
+        low, high = self.seq_mask_low, self.seq_mask_high
+        if low is not None and high is not None and low > high:
+            # Every sequence would be dropped: nothing would train.
+            raise ValueError(f"seq_mask_low={low:g} exceeds seq_mask_high={high:g}; the kept ratios are "
+                             "[seq_mask_low, seq_mask_high]")
+        return self
 
 
 class AgentShimConfig(StrictModel):
@@ -263,18 +284,18 @@ class RLConfig(StrictModel):
     """Export the final policy here as a Hugging Face directory (safetensors + tokenizer)."""
 
     # -- loss --------------------------------------------------------------------------
-    eps_clip: float = Field(0.2, gt=0)
+    eps_clip: FiniteFloat = Field(0.2, gt=0)
     """PPO clip ε_low: the ratio is clipped to [1 − eps_clip, 1 + eps_clip_high]."""
-    eps_clip_high: float | None = Field(None, gt=0)
+    eps_clip_high: FiniteFloat | None = Field(None, gt=0)
     """PPO clip ε_high; None means eps_clip (or 0.28 for `dapo`)."""
-    dual_clip_c: float | None = Field(None, gt=1)
+    dual_clip_c: FiniteFloat | None = Field(None, gt=1)
     """Dual clip for A < 0: the per-token loss is at most c·|A|. None disables it."""
-    kl_beta: float = Field(0.0, ge=0)
+    kl_beta: FiniteFloat = Field(0.0, ge=0)
     """Weight of the KL-to-reference loss term; > 0 keeps a frozen copy of the initial policy (with
     `trainer.lora_rank` > 0, the policy itself with its adapters disabled: no copy)."""
     kl_estimator: KLEstimatorName = "k3"
     """KL estimator for the loss term: k1 π−π_ref, k2 ½(π−π_ref)², k3 exp(π_ref−π)−(π_ref−π)−1."""
-    dro_beta: float = Field(0.1, gt=0)
+    dro_beta: FiniteFloat = Field(0.1, gt=0)
     """β of the `dro` loss's quadratic penalty ½·β·(π − π_old)²."""
     policy_loss_params: dict[str, Any] = Field(default_factory=dict)
     """Settings of the policy loss that have no field above (a registered loss's own keyword-only
@@ -293,6 +314,11 @@ class RLConfig(StrictModel):
     """Optimizer steps per pass; the batch's datums are split into this many minibatches."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """Optimizer, schedule and micro-batching of the policy trainer."""
+    max_skipped_steps: int = Field(5, ge=0)
+    """Stop the run once more than this many optimizer steps were skipped for a non-finite gradient or update
+    (a skipped step never reaches the weights, but a run that keeps skipping is not training)."""
+    max_skipped_step_fraction: float = Field(0.5, gt=0, le=1)
+    """Stop the run once more than this fraction of its optimizer steps were skipped, judged from the 4th step."""
 
     # -- groups --------------------------------------------------------------------------
     min_group_size: int | None = Field(None, ge=1)

@@ -22,6 +22,10 @@ class RolloutContractError(TrainingError, ValueError):
     """
 
 
+class RolloutCancellationError(TrainingError, RuntimeError):
+    """A rollout call did not honour cancellation (it swallowed `CancelledError`); it is abandoned and the run stops."""
+
+
 class RecoverableRolloutError(TrainingError):
     """Raise from a rollout function to drop this one draw (counted, feeds the circuit breaker)."""
 
@@ -42,5 +46,24 @@ class CircuitBreakerError(TrainingError, RuntimeError):
     """Rollouts keep failing: the run stops instead of training on nothing."""
 
 
+class NothingTrainedError(TrainingError, RuntimeError):
+    """A run ended without training a single group: every row was dropped, rejected or filtered."""
+
+
+class SkippedStepsError(TrainingError, RuntimeError):
+    """Too many optimizer steps were skipped for non-finite gradients or updates: the run is not training."""
+
+
 class EvaluationTimeoutError(TrainingError, TimeoutError):
     """`evaluation_fn` did not return within `eval_timeout_s`."""
+
+
+class CheckpointError(TrainingError, RuntimeError):
+    """A checkpoint cannot be trusted (a file missing, truncated or changed since it was written), so the run
+    stops rather than resume from it; the message names the file."""
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """`Type: message` of an exception, its first line only (compiler errors run to pages)."""
+    text = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -24,7 +24,7 @@ import torch
 from training.utils.config import DeploymentConfig
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.decode import KVBatch, SamplingParams_B, sample_next
-from training.utils.deploy.graphs import DecodeSteps
+from training.utils.deploy.graphs import DecodeSteps, checked_decode_mode
 from training.utils.deploy.sequences import SequenceGroup, SequenceState, make_group, sampling_params
 from training.utils.errors import ConfigError, DeploymentError, RecoverableDeploymentError
 
@@ -475,7 +475,11 @@ class Engine:
 
 
 def _decode_steps(model, cfg: DeploymentConfig, stats: dict[str, int]) -> DecodeSteps | None:
-    """Static-shape decode steps for `cfg.decode_steps` (captured on CUDA), or None for eager steps."""
+    """Static-shape decode steps for `cfg.decode_steps` (captured on CUDA), or None for eager steps.
+
+    Static-shape steps are used only if they pass the start-up self-check (`graphs.checked_decode_mode`);
+    otherwise the engine runs eager steps, with a warning.
+    """
     mode = cfg.decode_steps
     if mode == "auto":
         mode = "graphs" if model.device.type == "cuda" else "eager"
@@ -485,6 +489,8 @@ def _decode_steps(model, cfg: DeploymentConfig, stats: dict[str, int]) -> Decode
         raise ConfigError(
             f"deployment.decode_steps='graphs' needs a CUDA device; the engine model is on {model.device}"
         )
+    if checked_decode_mode(model, mode, requested=cfg.decode_steps) == "eager":
+        return None
     return DecodeSteps(model, cfg.max_batch_requests, capture=mode == "graphs", stats=stats)
 
 

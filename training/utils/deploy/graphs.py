@@ -19,14 +19,25 @@ overwritten before a live row reads it.
 
 Without `capture` (CPUs) the same static step runs eagerly; the tests hold it to
 `KVBatch.decode`. Sampling stays outside the graph: it needs per-request generators.
+
+Start-up self-check (`checked_decode_mode`): `deployment.decode_steps="auto"` means captured
+graphs on a GPU, a path the CPU-only test runs never take. So before the engine serves anything,
+the chosen step and the eager step decode the same small batch (a batch and `DecodeSteps` of the
+check's own, dropped afterwards, so the engine starts as if the check had not run) and their
+logits are compared; on an error or a mismatch the engine falls back to eager steps with one
+warning, rather than fail the run or serve wrong tokens (docs/engine-decode-loop.md).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from training.utils.deploy.decode import KVBatch, SlotLayer, next_power_of_two
+
+logger = logging.getLogger(__name__)
 
 _MIN_COLUMNS = 64
 """Smallest column bucket: short contexts share one graph."""
@@ -132,3 +143,97 @@ class DecodeSteps:
         self._graphs[(rows, columns)] = graph
         self.stats["graph_captures"] += 1
         return graph
+
+
+# ---------------------------------------------------------------------------- start-up self-check
+
+# Three rows (a bucket of four: one spare row) of very different lengths, so a step that ignored
+# the padding mask or wrote the wrong column would be off by far more than rounding.
+_CHECK_PROMPT_LENGTHS = (32, 4, 9)
+# Two steps: the second catches a graph that replays its captured inputs instead of the new ones.
+_CHECK_STEPS = 2
+# Tolerance on max |log_softmax(static) - log_softmax(eager)|, as a fraction of the largest |logit|
+# (a logit's rounding error scales with the logits, not with the log-probabilities): 4 machine
+# epsilons of the weights' dtype (bfloat16: 3.1e-2), at least 1e-4 (float32). Measured on CPU with
+# SmolLM2-135M in bfloat16, the static step against the eager one: rounding gives 0.7-1.4e-2
+# (30 layers; the tiny test model 0.4e-2), while simulated bugs on this check's batch give 6.5e-2
+# (positions off by one), 0.33 (padding not masked) and 0.58 (stale inputs on the second step).
+# float32 rounding stays near 1e-6, so 1e-4 is loose for it and still far below those bugs.
+_TOLERANCE_EPS = 4
+_MIN_RELATIVE_TOLERANCE = 1e-4
+
+
+def relative_tolerance(dtype: torch.dtype) -> float:
+    """Allowed log-softmax difference per unit of logit scale for a model whose weights are `dtype`
+    (bfloat16: 3.1e-2, float16: 3.9e-3, float32: 1e-4; why: `_TOLERANCE_EPS`)."""
+    return max(_TOLERANCE_EPS * torch.finfo(dtype).eps, _MIN_RELATIVE_TOLERANCE)
+
+
+def measure_step_mismatch(model, *, capture: bool) -> tuple[float, float]:
+    """(max |log-softmax difference|, largest |logit|) of the static-shape step (captured if `capture`)
+    against the eager step, over `_CHECK_STEPS` steps of a small batch; raises whatever the steps raise."""
+    vocab_size = model.get_input_embeddings().num_embeddings
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in _CHECK_PROMPT_LENGTHS]
+    rows = len(prompts)
+    steps = DecodeSteps(model, rows, capture=capture)
+    with torch.inference_mode():
+        eager, logits = KVBatch.prefill(model, prompts)
+        static = eager.with_stable_buffers(rows)  # a copy: the eager steps below do not touch it
+        tokens = logits.argmax(-1)
+        diffs, scales = [], []
+        for _ in range(_CHECK_STEPS):
+            want = eager.decode(model, tokens)
+            got = steps.step(static, tokens)
+            diffs.append((torch.log_softmax(got.float(), -1) - torch.log_softmax(want.float(), -1)).abs().max())
+            scales.append(want.float().abs().max())
+            tokens = want.argmax(-1)  # both paths take the same next tokens
+        # torch's max keeps a NaN (Python's would drop it), so NaN logits fail the check.
+        diff, scale = torch.stack(diffs).max().item(), torch.stack(scales).max().item()
+    return diff, scale
+
+
+def self_check_failure(model, mode: str) -> str | None:
+    """Why the `mode` ("graphs" or "static") decode step failed the self-check on `model`; None if it passed.
+
+    It fails when it raises, or when its log-softmax differs from the eager step's by more than
+    `relative_tolerance(model.dtype)` x the largest |logit| (bfloat16: 3.1e-2, i.e. ~1 nat for
+    SmolLM2's logits of ~30; float32: 1e-4) anywhere in two steps of a three-row batch.
+    """
+    try:
+        diff, scale = measure_step_mismatch(model, capture=mode == "graphs")
+    except Exception as e:  # noqa: BLE001 - any failure of an unproven step means: do not use it
+        return f"the {mode} decode step raised {e!r}"
+    # The weights' dtype, not the logits': a model may upcast its logits, not the rounding before them.
+    tolerance = relative_tolerance(model.dtype) * scale
+    if not diff <= tolerance:  # written so that a NaN difference fails
+        return (
+            f"the {mode} decode step's logits differ from the eager step's on the same inputs: "
+            f"max |log-softmax difference| {diff:.3g} > tolerance {tolerance:.3g} "
+            f"({relative_tolerance(model.dtype):.2g} x the largest |logit|)"
+        )
+    logger.info("%s decode steps passed the start-up self-check (max |log-softmax difference| %.3g <= %.3g)",
+                mode, diff, tolerance)
+    return None
+
+
+def fallback_warning(mode: str, requested: str, failure: str) -> str:
+    """The one warning for an engine that runs eager decode steps because `mode` failed its self-check."""
+    if requested == "auto":
+        head = f"deployment.decode_steps='auto' chose '{mode}' decode steps, but {failure}"
+    else:
+        head = f"deployment.decode_steps='{requested}' could not be honoured: {failure}"
+    hint = "deployment.decode_steps='eager' to choose them without the check"
+    if mode == "graphs":
+        hint += ", or 'static' to try the same step uncaptured (it tells a capture problem from a shape problem)"
+    return f"{head}. The engine runs eager decode steps instead (correct, but slower). Set {hint}."
+
+
+def checked_decode_mode(model, mode: str, requested: str) -> str:
+    """`mode` ("graphs" or "static") if its decode step passes the self-check on `model`, else "eager"
+    after one warning naming the cause; `requested` is `deployment.decode_steps` as set."""
+    failure = self_check_failure(model, mode)
+    if failure is None:
+        return mode
+    logger.warning(fallback_warning(mode, requested, failure))
+    return "eager"

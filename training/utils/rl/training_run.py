@@ -4,22 +4,27 @@ A recipe is a `Config` and a loop, `async def loop(run: TrainingRun, ...)`, that
 `run.start_step + 1 ...` in its own way and ends each with `run.end_step(step, metrics)`.
 `recipe_main(loop, Config)` makes the recipe's `main()`, the same for both recipes:
 
-0. seeds; trainers (policy, reference); resume from the newest checkpoint; the trainer thread;
-   under torchrun the other ranks only follow rank 0's trainer calls; the deployment, the
-   ledger, the agent shim, the rollout setup and the user's rollout function; evaluation
-   before the first step;
-1. the recipe's loop;
-2. the last checkpoint, weight sync and evaluation if the loop's last step did not make them,
-   the Hugging Face export; then the shutdown in order and the run's summary.
+0. seeds; trainers (policy, reference); resume from the newest checkpoint, refused if the
+   settings it was written under changed (`resume.py`); the trainer thread; under torchrun
+   the other ranks only follow rank 0's trainer calls; the deployment, the ledger, the agent
+   shim, the rollout setup and the user's rollout function; evaluation before the first step;
+1. the recipe's loop; after each step: evaluation, ledger, run health, a stop when too many
+   optimizer steps were skipped, a checkpoint;
+2. a stop with the reasons when no group was trained at all; else the last checkpoint, weight
+   sync and evaluation if the loop's last step did not make them, and the Hugging Face export;
+   then the shutdown in order (never waiting on a task that ignores cancellation) and the
+   run's summary.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -28,9 +33,11 @@ from training.utils import distributed
 from training.utils.checkpoint import latest_checkpoint
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment
-from training.utils.errors import ConfigError
+from training.utils.errors import ConfigError, NothingTrainedError, SkippedStepsError
 from training.utils.logging import RunLogger
+from training.utils.rl.groups import SettledRow
 from training.utils.rl.health import RunHealth
+from training.utils.rl.resume import check_resumable, run_settings
 from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
 from training.utils.rl.wiring import (
     checkpoint,
@@ -45,6 +52,11 @@ from training.utils.rl.wiring import (
 from training.utils.rl.worker import TrainerWorker
 from training.utils.trainer import Reference, Trainer
 
+log = logging.getLogger("training")
+T = TypeVar("T")
+SHUTDOWN_GRACE_S = 10.0
+"""How long shutdown waits for cancelled tasks (a rollout, an agent process) before leaving them behind."""
+
 
 @dataclass
 class TrainingRun:
@@ -56,6 +68,8 @@ class TrainingRun:
     total_steps: int
     progress: dict[str, Any]
     """The resumed checkpoint's progress: step, weights version, data cursor ({} for a new run)."""
+    settings: dict[str, Any]
+    """What checkpoints record about the run, to check a resume against (`resume.run_settings`)."""
     policy: Trainer
     reference: Reference | None
     tokenizer: Any
@@ -75,6 +89,10 @@ class TrainingRun:
     samples_trained: int = 0
     evaluated_step: int = 0
     saved_step: int = 0
+    rejections: Counter = field(default_factory=Counter)
+    """Rows not trained, by reason (filtered, rejected_incomplete, stale, ...)."""
+    drops: Counter = field(default_factory=Counter)
+    """Draws dropped, by reason (returned_none, timeout, recoverable:...)."""
 
     @property
     def start_step(self) -> int:
@@ -90,6 +108,12 @@ class TrainingRun:
         return await self.deployment.weight_sync.sync(await self.worker.run(self.policy.state_dict_for_inference),
                                                       version)
 
+    def count_rejected(self, settled_rows: list[SettledRow], reasons: Counter) -> None:
+        """Tally rows that will not train (and the draws the settled rows dropped), for `finish`'s check."""
+        self.rejections.update(reasons)
+        for settled in settled_rows:
+            self.drops.update(settled.drop_reasons)
+
     async def end_step(self, step: int, metrics: dict[str, Any]) -> None:
         """After publication: evaluation every `eval_interval` steps, the ledger, run health, a checkpoint
         every `dcp_save_interval` steps."""
@@ -101,15 +125,40 @@ class TrainingRun:
         self.metrics = metrics
         self.logger.log(step, metrics)
         self.health.check(step, metrics)
+        self.check_skipped_steps()
         if self.cfg.dcp_save_interval and step % self.cfg.dcp_save_interval == 0:
             self.saved_step = await self.save_checkpoint()
 
+    def check_skipped_steps(self) -> None:
+        """Stop a run whose optimizer steps keep being skipped: more than `max_skipped_steps`, or more than
+        `max_skipped_step_fraction` of them from the 4th step on."""
+        skipped, taken = self.policy.skipped_steps, self.policy.skipped_steps + self.policy.step
+        too_many = skipped > self.cfg.max_skipped_steps
+        too_often = taken >= 4 and skipped / taken > self.cfg.max_skipped_step_fraction
+        if too_many or too_often:
+            raise SkippedStepsError(
+                f"{skipped} of {taken} optimizer steps were skipped (limits: max_skipped_steps="
+                f"{self.cfg.max_skipped_steps}, max_skipped_step_fraction={self.cfg.max_skipped_step_fraction:g}); "
+                f"the last one because {self.policy.last_skip_reason}. No skipped step reached the weights. Lower "
+                "trainer.learning_rate, check rewards and advantages for huge or non-finite values, or set tis"
+            )
+
     async def save_checkpoint(self) -> int:
-        return await checkpoint(self.cfg, self.worker, self.policy, self.rng, self.step, self.resume_state(),
-                                self.logger)
+        progress = {"settings": self.settings, **self.resume_state()}
+        return await checkpoint(self.cfg, self.worker, self.policy, self.rng, self.step, progress, self.logger)
 
     async def finish(self) -> None:
-        """What the last step did not do: checkpoint, weight sync, evaluation; then the export."""
+        """What the last step did not do: checkpoint, weight sync, evaluation; then the export.
+
+        A run that had steps to train and trained no group stops with an error instead: its rows
+        were all dropped, rejected or filtered, and exiting 0 would hide that."""
+        if self.samples_trained == 0 and self.start_step < self.total_steps:
+            raise NothingTrainedError(
+                f"no group was trained in the {self.total_steps - self.start_step} planned steps: rows not trained "
+                f"{dict(self.rejections) or 'none'}, draws dropped {dict(self.drops) or 'none'}. Check what "
+                "rollout_fn returns, its rewards (a group whose rewards are all equal teaches nothing) and "
+                "dynamic_filter_fn"
+            )
         if self.cfg.dcp_save_interval and self.step != self.saved_step:
             await self.save_checkpoint()
         if self.deployment.version != self.step:
@@ -158,11 +207,36 @@ def recipe_main(loop: Loop, config_class: type[RLConfig]) -> Callable[..., dict[
                               f"{type(cfg).__module__}.{type(cfg).__name__}; build it from the recipe you import")
         rows = read_rows(cfg, rows)
         with distributed.distributed_session(cfg.trainer.distributed_timeout_s):  # a no-op without torchrun
-            return asyncio.run(run_recipe(loop, cfg, rows, rollout_fn_factory, evaluation_fn=evaluation_fn,
-                                          rollout_extras=rollout_extras, dynamic_filter_fn=dynamic_filter_fn))
+            return run_abandoning_stragglers(run_recipe(
+                loop, cfg, rows, rollout_fn_factory, evaluation_fn=evaluation_fn, rollout_extras=rollout_extras,
+                dynamic_filter_fn=dynamic_filter_fn))
 
     main.__module__, main.__qualname__ = loop.__module__, "main"
     return main
+
+
+def run_abandoning_stragglers(main: Coroutine[Any, Any, T], *, grace_s: float | None = None) -> T:
+    """`asyncio.run(main)`, except that shutdown gives leftover tasks `grace_s` to unwind after their
+    cancellation and then leaves, naming the ones that ignored it, instead of waiting on them forever."""
+    grace_s = SHUTDOWN_GRACE_S if grace_s is None else grace_s
+    runner = asyncio.Runner()
+    try:
+        return runner.run(main)
+    finally:
+        loop = runner.get_loop()
+        leftovers = asyncio.all_tasks(loop)
+        for task in leftovers:
+            task.cancel()
+        if leftovers:
+            loop.run_until_complete(asyncio.wait(leftovers, timeout=grace_s))
+        stragglers = [task for task in leftovers if not task.done()]
+        if stragglers:
+            log.error("left %d task(s) running that ignored cancellation for %gs: %s", len(stragglers), grace_s,
+                      ", ".join(sorted(task.get_name() for task in stragglers)))
+            asyncio.set_event_loop(None)
+            loop.close()  # the stragglers never run again; runner.close() would wait on them
+        else:
+            runner.close()
 
 
 async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], rollout_fn_factory, *,
@@ -172,6 +246,8 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
     total_steps = cfg.planned_steps(len(rows))
     policy, reference, tokenizer = setup_trainers(cfg, total_steps)
     progress = restore(cfg, policy, rng)
+    settings = run_settings(cfg, rows, recipe=loop.__module__.rsplit(".", 1)[-1])
+    check_resumable(progress, settings)
     # All trainer work goes through the worker; under torchrun it runs on every rank.
     worker = TrainerWorker(policy=policy, reference=reference, rng=rng, cfg=cfg, tokenizer=tokenizer)
     if not distributed.is_main():
@@ -188,9 +264,9 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
             await deployment.weight_sync.sync(await worker.run(policy.state_dict_for_inference), start_step)
         shim = await start_agent_shim(cfg, tokenizer, deployment)  # None unless cfg.agent_shim.enabled
         setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim)
-        run = TrainingRun(cfg=cfg, rows=rows, rng=rng, total_steps=total_steps, progress=progress, policy=policy,
-                          reference=reference, tokenizer=tokenizer, worker=worker, deployment=deployment,
-                          logger=logger, setup=setup, rollout_fn=rollout_fn_factory(setup),
+        run = TrainingRun(cfg=cfg, rows=rows, rng=rng, total_steps=total_steps, progress=progress, settings=settings,
+                          policy=policy, reference=reference, tokenizer=tokenizer, worker=worker,
+                          deployment=deployment, logger=logger, setup=setup, rollout_fn=rollout_fn_factory(setup),
                           evaluation_fn=evaluation_fn, step=start_step, evaluated_step=start_step,
                           saved_step=start_step)
         run.metrics = await evaluate(evaluation_fn, setup, start_step, logger, cfg)

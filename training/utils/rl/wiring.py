@@ -10,13 +10,11 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from training.utils import distributed
-from training.utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from training.utils.checkpoint import load_latest_verified, save_checkpoint
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment, EmbeddedDeployment, start_deployment
 from training.utils.errors import ConfigError, EvaluationTimeoutError
@@ -41,11 +39,17 @@ def read_rows(cfg: RLConfig, rows: list[dict[str, Any]] | None) -> list[dict[str
 
 def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference | None, Any]:
     """The policy trainer and, when kl_beta > 0, the reference: a frozen copy of the initial policy,
-    or with LoRA the policy's own module with its adapters disabled (the base model, no copy)."""
-    model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weight_dtype(cfg.trainer, default_device()))
+    or with LoRA the policy's own module with its adapters disabled (the base model, no copy).
+
+    `total_steps` is the run's planned batches; warns when `trainer.warmup_steps` outlasts its optimizer steps."""
     trainer_cfg = cfg.trainer
+    optimizer_steps = total_steps * cfg.ppo_epochs * cfg.ppo_minibatches
+    if trainer_cfg.warmup_steps > optimizer_steps:
+        log.warning("trainer.warmup_steps=%d is longer than the run's %d planned optimizer steps (%d batches x "
+                    "ppo_epochs x ppo_minibatches): the learning rate never reaches trainer.learning_rate",
+                    trainer_cfg.warmup_steps, optimizer_steps, total_steps)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weight_dtype(cfg.trainer, default_device()))
     if trainer_cfg.total_steps is None:
-        optimizer_steps = total_steps * cfg.ppo_epochs * cfg.ppo_minibatches
         trainer_cfg = trainer_cfg.model_copy(update={"total_steps": optimizer_steps})
     lora = trainer_cfg.lora_rank > 0
     reference = None
@@ -108,12 +112,12 @@ def make_rollout_setup(cfg: RLConfig, tokenizer, deployment: Deployment, extras,
 
 
 def restore(cfg: RLConfig, policy: Trainer, rng: np.random.Generator) -> dict[str, Any]:
-    """Load `init_from_checkpoint`, else the newest checkpoint in `log_path`; returns its progress ({} if none)."""
-    path = Path(cfg.init_from_checkpoint) if cfg.init_from_checkpoint else latest_checkpoint(cfg.log_path)
-    path = distributed.broadcast_object(path)  # under torchrun every rank loads the one rank 0 found
-    if path is None:
+    """Load `init_from_checkpoint`, else the newest checkpoint in `log_path` that passes its checksums (falling
+    back past damaged ones); returns its progress ({} if none). Collective under torchrun."""
+    found = load_latest_verified(cfg.log_path, cfg.init_from_checkpoint, policy=policy, np_rng=rng)
+    if found is None:
         return {}
-    progress = load_checkpoint(path, policy=policy, np_rng=rng)
+    path, progress = found
     log.info("resumed from %s at step %d", path, progress["step"])
     return progress
 

@@ -1,15 +1,9 @@
-"""The local policy/reference trainer (`core.Trainer`), its datums and micro-batches (`batching`), and
-its FSDP2 pieces (`sharding`)."""
+"""The local policy/reference trainer (`core.Trainer`), its datums and micro-batches (`batching`), its
+optimizer schedule and update guard (`optim`), compiled layers (`compiled`) and FSDP2 pieces (`sharding`)."""
 
 from training.utils.trainer.batching import Datum, LossFn, MicroBatch, plan_microbatches
-from training.utils.trainer.core import (
-    AdapterDisabledReference,
-    Reference,
-    Trainer,
-    lr_multiplier,
-    resolve_precision,
-    weight_dtype,
-)
+from training.utils.trainer.core import AdapterDisabledReference, Reference, Trainer, resolve_precision, weight_dtype
+from training.utils.trainer.optim import lr_multiplier
 
 __all__ = [
     "AdapterDisabledReference",

@@ -4,7 +4,8 @@ One `Trainer` wraps one Hugging Face causal LM on one device:
 - `logprobs(datums)`: no-grad per-token logprobs (and optionally entropies) of the targets;
 - `forward_backward(datums, loss_fn)`: length-bucketed micro-batches, each a forward, a
   user loss and a `backward()`, so gradients accumulate over the whole call;
-- `optim_step()`: AdamW with a non-finite-gradient guard, norm clipping and an LR schedule;
+- `optim_step()`: AdamW with norm clipping and an LR schedule, skipping a step whose gradient or
+  update is not finite;
 - `state_dict_for_inference()` / `save_hf(path)`: hand the weights to an inference engine.
 
 A reference model is a `Trainer(model, cfg, trainable=False)`: frozen, eval mode, no optimizer;
@@ -37,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from training.utils import distributed
 from training.utils.config import TrainerConfig
-from training.utils.errors import ConfigError
+from training.utils.errors import ConfigError, one_line
 from training.utils.lora import adapters_disabled, merged_state_dict, standalone_copy, wrap_with_lora
 from training.utils.trainer.batching import (
     Datum,
@@ -51,29 +52,18 @@ from training.utils.trainer.batching import (
     filler_batch,
     plan_microbatches,
 )
+from training.utils.trainer.compiled import CompiledLayers, compiled_logprob_mismatch
+from training.utils.trainer.optim import (
+    lr_multiplier,
+    max_abs,
+    param_groups,
+    restore_params,
+    snapshot_params,
+    update_may_overflow,
+)
 from training.utils.trainer.sharding import MetricTotals, ShardedRoot, gather_to_main, unsharded_copy
 
 logger = logging.getLogger(__name__)
-
-
-def lr_multiplier(step: int, cfg: TrainerConfig) -> float:
-    """Fraction of the peak learning rate used by the optimizer step that follows `step` applied steps.
-
-    Warmup: (step + 1) / warmup_steps, so the first step already moves the weights. After it,
-    `progress = (step − warmup_steps) / (total_steps − warmup_steps)` (capped at 1) and
-    linear: min + (1 − min)·(1 − progress); cosine: min + (1 − min)·½(1 + cos(π·progress)).
-    """
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    decay_steps = max(1, cfg.total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    if cfg.lr_schedule == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
 def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
@@ -86,7 +76,6 @@ def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
 def weight_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
     """The dtype the trainer keeps its weights (and AdamW state) in: float32 unless `precision` is bf16."""
     return torch.bfloat16 if resolve_precision(cfg, device) == "bf16" else torch.float32
-
 
 
 def _chunk_logprobs(lm_head: torch.nn.Module, hidden_CH: Tensor, targets_C: Tensor, temperature: float) -> Tensor:
@@ -114,8 +103,12 @@ def _scatter(values_N: Tensor, positions_N: Tensor, shape: torch.Size) -> Tensor
 class Trainer:
     """A policy (trainable) or reference (frozen) model with logprob, gradient and optimizer steps.
 
-    `step` counts applied optimizer steps only; steps skipped for a non-finite gradient are
-    counted in `skipped_steps` and do not advance the LR schedule.
+    `step` counts applied optimizer steps only; steps skipped for a non-finite gradient or update
+    are counted in `skipped_steps` and do not advance the LR schedule.
+
+    With `cfg.compile_layers` the decoder layers are compiled (`self.compiled_layers`); the first
+    forward of each grad mode is checked against eager, and on a failure or a mismatch the layers
+    run eagerly from then on (`compiled_layers` becomes None).
 
     With `cfg.lora_rank > 0` a trainable model is wrapped with peft LoRA adapters (`self.model`
     is the wrapper, `self.lora` is True): only the adapters are optimized, the base weights stay
@@ -133,12 +126,15 @@ class Trainer:
         self.trainable = trainable
         self.step = 0
         self.skipped_steps = 0
+        self.last_skip_reason: str | None = None
+        """Why the last skipped step was skipped (a non-finite gradient norm, an update that overflowed)."""
         self.device = next(model.parameters()).device
         self.optimizer: torch.optim.AdamW | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.lora = trainable and cfg.lora_rank > 0
         self.precision = resolve_precision(cfg, self.device)
         self._sharded_root: ShardedRoot | None = None
+        self.compiled_layers: CompiledLayers | None = None
         dtype = weight_dtype(cfg, self.device)
         if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
             # Load in this dtype to avoid the conversion (from bf16 it cannot restore lost precision).
@@ -148,7 +144,7 @@ class Trainer:
             model.eval()
             self._shard_if_distributed()
             if cfg.compile_layers:
-                _compile_layers(model)
+                self.compiled_layers = CompiledLayers(model)
             return
         if cfg.lr_schedule != "constant" and cfg.total_steps is None:
             raise ConfigError(f"lr_schedule={cfg.lr_schedule!r} decays over total_steps; set total_steps")
@@ -160,9 +156,9 @@ class Trainer:
             _enable_activation_checkpointing(model)
         self._shard_if_distributed()
         if cfg.compile_layers:
-            _compile_layers(model)
+            self.compiled_layers = CompiledLayers(model)
         self.optimizer = torch.optim.AdamW(
-            _param_groups(model, cfg.weight_decay),
+            param_groups(model, cfg.weight_decay),
             lr=cfg.learning_rate,
             betas=cfg.adam_betas,
             fused=self.device.type == "cuda",
@@ -199,10 +195,63 @@ class Trainer:
     def _model_forward(
         self, batch: PaddedBatch, temperature: float, with_entropy: bool
     ) -> tuple[Tensor, Tensor | None]:
+        """`_root_forward`; with compiled layers, the first one of each grad mode is checked against eager."""
+        compiled = self.compiled_layers
+        if compiled is not None and torch.is_grad_enabled() not in compiled.checked_grad_modes:
+            return self._checked_compiled_forward(batch, temperature, with_entropy)
+        return self._root_forward(batch, temperature, with_entropy)
+
+    def _root_forward(
+        self, batch: PaddedBatch, temperature: float, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
         """`_forward`, through the FSDP2 root when sharded so that its hooks run around it."""
         if self._sharded_root is None:
             return self._forward(batch, temperature, with_entropy)
         return self._sharded_root(batch, temperature, with_entropy)
+
+    def _checked_compiled_forward(
+        self, batch: PaddedBatch, temperature: float, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """The compiled layers' forward of one micro-batch, kept only if it matches an eager forward of it.
+
+        Runs on the first micro-batch of each grad mode (no-grad logprobs and the training forward
+        compile separately), so the graph that trains is itself checked: the compiled pass runs as asked
+        and is returned when kept; the eager pass runs without grad. They match when every logprob is
+        within `COMPILE_TOLERANCES`: 1e-3 + 1e-3·|logprob| in fp32, 0.1 + 0.05·|logprob| with bf16
+        matmuls or weights. On an exception or a mismatch the compilation is undone with one warning and
+        the micro-batch is recomputed eagerly (with grad when asked; otherwise the eager pass is returned).
+        Under torchrun the ranks share their verdicts, so every rank keeps or undoes alike (a compiled
+        pass that raises on some ranks only leaves FSDP2's collectives out of step; compilation failures
+        come from the shared code and shapes, so they are expected on every rank at once).
+        """
+        compiled_layers = self.compiled_layers
+        compiled_layers.checked_grad_modes.add(torch.is_grad_enabled())
+        compiled, problem = None, None
+        try:
+            compiled = self._root_forward(batch, temperature, with_entropy)
+        except Exception as error:
+            problem = f"raised {one_line(error)}"
+        with torch.no_grad(), compiled_layers.eager():
+            eager = self._root_forward(batch, temperature, with_entropy)
+        if problem is None:
+            problem = compiled_logprob_mismatch(compiled[0], eager[0], self.precision)
+        verdicts = distributed.all_gather_objects(problem)
+        failed = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict is not None]
+        if not failed:
+            return compiled
+        compiled_layers.undo()
+        # Dropping the compiled pass frees its autograd graph before the eager one is built.
+        self.compiled_layers = compiled = None
+        rank, problem = failed[0]
+        where = f" on rank {rank}" if len(verdicts) > 1 else ""
+        logger.warning(
+            "trainer.compile_layers: on the first %s micro-batch%s, the compiled decoder layers %s. The compilation "
+            "is undone and the layers run eagerly from now on; set trainer.compile_layers=False to skip compiling.",
+            "training" if torch.is_grad_enabled() else "no-grad", where, problem,
+        )
+        if torch.is_grad_enabled():
+            return self._root_forward(batch, temperature, with_entropy)
+        return eager
 
     def _filler_pass(self, *, backward: bool) -> None:
         """A one-token forward (and a zero backward) that changes nothing, run by a rank with fewer
@@ -360,7 +409,29 @@ class Trainer:
         return totals.reduce()
 
     def optim_step(self) -> dict[str, float]:
-        """Clip and apply the accumulated gradient, or skip it if its norm is not finite; then zero it.
+        """Clip and apply the accumulated gradient, or skip the step; then zero the gradient.
+
+        A step is skipped (counted in `skipped_steps`, the LR schedule not advanced, a warning logged)
+        when the gradient norm is not finite, or when the update is: when it made a trainable weight
+        non-finite, or overflowed so that torch refused it. Then the weights and the AdamW state are put
+        back bit for bit.
+
+        Putting them back needs a copy from before the step of the trainable weights and both AdamW
+        moments: 3x the trainable parameters, little with LoRA, too much to copy every step of a full
+        fine-tune. So the copy is taken only when a bound cannot rule the overflow out
+        (`update_may_overflow`): no AdamW step moves an element by more than `adam_step_bound`
+        (lr / sqrt((1 − β2)(1 − β1²/β2)), 11.6·lr at the default betas) besides scaling it by the weight
+        decay's 1 − lr·wd, and the weights' max |w| is read with the gradient norm, in its host sync
+        (one fused read). While the bound stays below `UNDO_FREE_WEIGHT_LIMIT` (1e30, against float32's
+        and bfloat16's 3.4e38) no copy is taken, so a normal run pays one extra read per step; past it
+        (an absurd learning rate or weight decay, weights already huge, or β1² ≥ β2, which has no such
+        bound) the copy is taken on the weights' device. After the step one fused max |w| (the second
+        host sync) checks the weights are finite. A non-finite result without a copy means the bound's
+        premise was broken (AdamW state edited, or built with other betas) and raises, as does a step
+        from weights that are already non-finite: no restore could help either.
+
+        Under FSDP2 both reads are max-reduced over every rank's shards, as the gradient norm is made
+        global, so every rank skips or applies alike.
 
         Returns "grad_norm" (before clipping), "lr" (of this step) and "skipped" (1.0 or 0.0).
         """
@@ -370,25 +441,53 @@ class Trainer:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()  # FSDP2: every rank's shards together, the same on all ranks
-        # The one host sync of a step: deciding to skip needs the norm on the CPU.
-        grad_norm_value = grad_norm.item()
+        # One host sync for both: the skip decision and the overflow bound need them on the CPU.
+        grad_norm_value, weight_max = torch.stack([grad_norm.float(), max_abs(params).to(grad_norm.device)]).tolist()
         if not math.isfinite(grad_norm_value):
-            self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            logger.warning(
-                "skipped optimizer step %d: gradient norm is %s (%d steps skipped so far)",
-                self.step,
-                grad_norm_value,
-                self.skipped_steps,
-            )
-            return {"grad_norm": grad_norm_value, "lr": lr, "skipped": 1.0}
+            return self._skip_step(f"gradient norm is {grad_norm_value}", grad_norm_value, lr)
+        if not math.isfinite(weight_max):
+            raise RuntimeError(f"optimizer step {self.step}: the trainable weights are already non-finite "
+                               "(loaded or modified so); no step can make them finite again")
         if self.cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, grad_norm)
-        self.optimizer.step()
+        undo = snapshot_params(self.optimizer, params) if update_may_overflow(weight_max, self.optimizer.param_groups) \
+            else None
+        if (undone := self._step_or_undo(params, undo)) is not None:
+            return self._skip_step(f"{undone}, although the gradient norm {grad_norm_value:g} was finite; "
+                                   "weights and AdamW state restored", grad_norm_value, lr)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"grad_norm": grad_norm_value, "lr": lr, "skipped": 0.0}
+
+    def _step_or_undo(self, params: list[Tensor], undo: list | None) -> str | None:
+        """The AdamW step; None if it left the weights finite, else why it was undone from `undo`."""
+        try:
+            self.optimizer.step()
+        except RuntimeError as error:
+            if undo is None:
+                raise
+            restore_params(self.optimizer, undo)  # a half-applied step never stays, whatever the error
+            # torch refuses a scalar that overflows the weights' dtype (lr over the bias correction, or the
+            # weight decay factor) rather than making it inf: that update is non-finite too.
+            if "without overflow" not in str(error):
+                raise
+            return f"the update overflowed ({one_line(error)})"
+        if math.isfinite(max_abs(params).item()):  # the step's second host sync
+            return None
+        if undo is None:
+            raise RuntimeError(f"optimizer step {self.step} made the weights non-finite although its bound ruled "
+                               "that out (was the AdamW state edited, or built with other betas?); there is no "
+                               "copy to restore them from")
+        restore_params(self.optimizer, undo)
+        return "the update was non-finite"
+
+    def _skip_step(self, reason: str, grad_norm: float, lr: float) -> dict[str, float]:
+        self.skipped_steps += 1
+        self.last_skip_reason = reason
+        self.optimizer.zero_grad(set_to_none=True)
+        logger.warning("skipped optimizer step %d: %s (%d steps skipped so far)", self.step, reason, self.skipped_steps)
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
 
     def _require_trainable(self, method: str) -> None:
         if not self.trainable:
@@ -484,21 +583,3 @@ def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def _compile_layers(model: torch.nn.Module) -> None:
-    """`torch.compile` every decoder layer in place (after FSDP2 sharding, which then stays outside the graph)."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ConfigError(f"trainer.compile_layers: {type(model).__name__}'s decoder has no `layers` ModuleList")
-    for layer in layers:
-        layer.compile(dynamic=True)
-
-
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: decaying norm gains and biases pulls them towards 0 for no benefit."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]

@@ -253,7 +253,9 @@ class BatchCoordinator:
             self._changed.clear()
             remaining = deadline - time.monotonic()
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout=max(remaining, 0.0))
+                # `asyncio.timeout`, not `wait_for`: on Python 3.11 wait_for can drop a cancel (gh-86296).
+                async with asyncio.timeout(max(remaining, 0.0)):
+                    await self._changed.wait()
             except TimeoutError:
                 if self._failure is not None:
                     raise self._failure from None

@@ -3,7 +3,7 @@
 Which exceptions are recoverable is decided once, in `rollout/invoke.py` (`run_draw`):
 timeouts, connection errors, HTTP 408/429/5xx and `RecoverableRolloutError` drop the draw;
 anything else is a bug and stops the run with its own traceback. This module decides when
-too many recoverable drops mean the infrastructure is down.
+too many dropped draws mean the infrastructure (or the rollout) is broken.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from training.utils.errors import CircuitBreakerError, TrainingError
+from training.utils.rl.rollout.invoke import NONE_RETURNED
 
 
 class RolloutStallError(TrainingError, TimeoutError):
@@ -18,39 +19,48 @@ class RolloutStallError(TrainingError, TimeoutError):
 
 
 class CircuitBreaker:
-    """Trips after `max_consecutive` recoverable failures in a row, or when at least `max_rate` of
-    the last `window` draws (once `min_observations` are in) failed recoverably.
+    """Trips after `max_consecutive` dropped draws in a row, or when at least `max_rate` of the last
+    `window` draws (once `min_observations` are in) were dropped.
 
-    Only recoverable errors and timeouts count as failures; a draw that returned `None` is a
-    deliberate drop by the rollout and counts as neither.
+    A drop is a recoverable error, a timeout, or a `None` return. A rollout that drops a few draws
+    on purpose stays far below the thresholds; one that drops every draw would otherwise leave the
+    trainer waiting `stall_timeout_s` for rows that never come.
     """
 
     def __init__(self, *, max_consecutive: int, max_rate: float, window: int, min_observations: int):
         self.max_consecutive = max_consecutive
         self.max_rate = max_rate
         self.min_observations = min_observations
-        self._recent: deque[bool] = deque(maxlen=window)
+        self._recent: deque[str | None] = deque(maxlen=window)
+        """The drop reason of each recent draw, None for a draw that returned a run."""
         self.consecutive = 0
         self.failures_total = 0
         self.last_error: BaseException | None = None
 
     def record_success(self) -> None:
         self.consecutive = 0
-        self._recent.append(False)
+        self._recent.append(None)
 
     def record_failure(self, error: BaseException | None, reason: str) -> None:
-        """Count one recoverable failure; raises `CircuitBreakerError` when a threshold is crossed."""
+        """Count one dropped draw; raises `CircuitBreakerError` when a threshold is crossed."""
         self.consecutive += 1
         self.failures_total += 1
         self.last_error = error
-        self._recent.append(True)
-        rate = sum(self._recent) / len(self._recent)
+        self._recent.append(reason)
+        failed = [r for r in self._recent if r is not None]
+        rate = len(failed) / len(self._recent)
         if self.consecutive >= self.max_consecutive:
-            why = f"{self.consecutive} consecutive rollout draws failed"
+            why = f"{self.consecutive} consecutive rollout draws were dropped"
         elif len(self._recent) >= self.min_observations and rate >= self.max_rate:
-            why = f"{sum(self._recent)} of the last {len(self._recent)} rollout draws failed ({rate:.0%})"
+            why = f"{len(failed)} of the last {len(self._recent)} rollout draws were dropped ({rate:.0%})"
         else:
             return
+        if all(r == NONE_RETURNED for r in failed):
+            raise CircuitBreakerError(
+                f"{why}: every draw returned None. rollout_fn returns None to drop a draw on purpose; one that "
+                "drops them all trains nothing: check its conditions (thresholds: max_consecutive_rollout_failures, "
+                "max_rollout_failure_rate)"
+            )
         raise CircuitBreakerError(
             f"{why}; the last failure was {reason} ({error!r}). The deployment or a tool the rollouts call "
             "looks down; fix it and resume (thresholds: max_consecutive_rollout_failures, max_rollout_failure_rate)"

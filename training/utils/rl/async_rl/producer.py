@@ -11,8 +11,8 @@ One asyncio task. Its loop:
      `max_incomplete_group_retries` times, then rejected. Rejected rows free their gate slots
      and are durable at once; accepted rows become durable when their batch is published.
 
-Recoverable drops (timeouts, connection errors, HTTP 408/429/5xx, `RecoverableRolloutError`)
-feed the circuit breaker; any other exception from a rollout stops the run with its own
+Dropped draws (`None` returns, timeouts, connection errors, HTTP 408/429/5xx,
+`RecoverableRolloutError`) feed the circuit breaker; any other exception from a rollout stops the run with its own
 traceback, after every other call in flight is cancelled.
 """
 
@@ -31,7 +31,7 @@ from training.utils.rl.async_rl.errors import CircuitBreaker, RolloutStallError
 from training.utils.rl.async_rl.gate import OffPolicyGate
 from training.utils.rl.dataset import DurableRowSource, RowItem
 from training.utils.rl.groups import SettledRow
-from training.utils.rl.rollout.invoke import DrawResult, run_draw
+from training.utils.rl.rollout.invoke import NONE_RETURNED, DrawResult, run_draw
 from training.utils.rl.rollout.types import PromptGroup
 
 log = logging.getLogger("training.async_rl")
@@ -52,11 +52,6 @@ def make_draw_fn(rollout_fn, context_keys: tuple[str, ...], *, vocab_size: int |
                               draw_index=sample_index, vocab_size=vocab_size, timeout_s=timeout_s)
 
     return draw
-
-
-def is_failure(result: DrawResult) -> bool:
-    """A recoverable error or a timeout; `None` returns are deliberate and not failures."""
-    return result.drop_reason is not None and result.drop_reason != "returned_none"
 
 
 @dataclass
@@ -180,8 +175,11 @@ class RolloutProducer:
     async def _next_event(self) -> asyncio.Task | None:
         """A finished call, or None for a publication."""
         while True:
+            # Not `wait_for(queue.get())`: on Python 3.11 it drops a cancel that arrives as the get
+            # completes (CPython gh-86296), and the producer would keep starting rollouts after shutdown.
             try:
-                return await asyncio.wait_for(self._events.get(), timeout=self.max_call_wait_s)
+                async with asyncio.timeout(self.max_call_wait_s):
+                    return await self._events.get()
             except TimeoutError:
                 if self._pending:
                     raise RolloutStallError(
@@ -246,13 +244,14 @@ class RolloutProducer:
         if result.drop_reason is not None:
             self.counters.draws_dropped += 1
             pending.drops[result.drop_reason] += 1
-        if is_failure(result):
-            self.counters.recoverable_errors += 1
+        if result.drop_reason is not None:
+            if result.drop_reason != NONE_RETURNED:
+                self.counters.recoverable_errors += 1
             if self.breaker.failures_total == 0 or (self.breaker.failures_total + 1) % 10 == 0:
                 log.warning("rollout draw dropped (%s) on row %r: %r", result.drop_reason, pending.item.row_id,
                             result.error)
             self.breaker.record_failure(result.error, result.drop_reason)
-        elif result.run is not None:
+        else:
             self.breaker.record_success()
         if len(pending.results) == self.gate.G:
             del self._pending[seq]

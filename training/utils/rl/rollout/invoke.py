@@ -4,6 +4,11 @@ Shared by both recipes. A draw ends in one of three ways: a validated `RolloutRu
 counted drop (`None` returned, a recoverable error, a timeout), or a raised exception
 that stops the run (any other error is a bug in user code and keeps its traceback; a
 contract violation raises `RolloutContractError` naming row, draw, segment and field).
+
+A call runs as its own task, so no wait here depends on the user's code honouring
+cancellation: a call cancelled at its timeout gets `CANCEL_GRACE_S` to unwind, and one that
+is still running then has swallowed `CancelledError`; it is abandoned and the run stops with
+`RolloutCancellationError` naming its row and draw (shutdown never waits on it either).
 """
 
 from __future__ import annotations
@@ -17,12 +22,17 @@ from typing import Any
 import aiohttp
 import openai
 
-from training.utils.errors import ConfigError, RecoverableRolloutError
+from training.utils.errors import ConfigError, RecoverableRolloutError, RolloutCancellationError
 from training.utils.rl.rollout.types import RolloutRun, validate_run
 
 CONTEXT_KEYS = ("cursor_index", "row_index", "epoch", "sample_index", "submit_version", "evaluation")
 
 _RETRYABLE_HTTP_STATUS = {408, 429}
+
+NONE_RETURNED = "returned_none"
+"""The drop reason of a draw whose rollout_fn returned None."""
+CANCEL_GRACE_S = 10.0
+"""How long a call cancelled at its timeout may take to unwind before it counts as ignoring cancellation."""
 
 
 def context_params(rollout_fn: Callable) -> tuple[str, ...]:
@@ -86,21 +96,48 @@ async def run_draw(
 ) -> DrawResult:
     """Call `rollout_fn(row, **ctx)` with a timeout; drops are returned, bugs are raised."""
     kwargs = {k: context[k] for k in accepted_keys if k in context}
+    call = asyncio.ensure_future(rollout_fn(row, **kwargs))
+    call.set_name(f"rollout_fn row {row_id!r} draw {draw_index}")
     try:
-        result = await asyncio.wait_for(rollout_fn(row, **kwargs), timeout=timeout_s)
-    except TimeoutError as exc:
-        return DrawResult(None, "timeout", exc)
+        await asyncio.wait([call], timeout=timeout_s)
+    except asyncio.CancelledError:
+        call.cancel()  # the run is stopping: ask the call to stop, without waiting on it
+        raise
+    if not call.done():
+        return await _cancel_at_timeout(call, timeout_s, row_id=row_id, draw_index=draw_index)
+    try:
+        result = call.result()
+    except asyncio.CancelledError:
+        raise RolloutCancellationError(f"row {row_id!r} draw {draw_index}: rollout_fn was cancelled from inside; "
+                                       "raise RecoverableRolloutError to drop a draw") from None
     except Exception as exc:
         if is_recoverable(exc):
             return DrawResult(None, f"recoverable:{type(exc).__name__}", exc)
         raise
     if result is None:
-        return DrawResult(None, "returned_none")
+        return DrawResult(None, NONE_RETURNED)
     return DrawResult(validate_run(result, row_id=row_id, draw_index=draw_index, vocab_size=vocab_size))
 
 
+async def _cancel_at_timeout(call: asyncio.Future, timeout_s: float, *, row_id: Any, draw_index: int) -> DrawResult:
+    """Cancel a call that overran its timeout: a timeout drop once it unwinds, whatever it then returned or raised."""
+    call.cancel()
+    await asyncio.wait([call], timeout=CANCEL_GRACE_S)
+    if not call.done():
+        raise RolloutCancellationError(
+            f"row {row_id!r} draw {draw_index}: rollout_fn was cancelled at its timeout (rollout_timeout_s="
+            f"{timeout_s:g}) and was still running {CANCEL_GRACE_S:g}s later: it catches asyncio.CancelledError "
+            "without re-raising it. The call is abandoned; let CancelledError propagate (re-raise it after cleanup)"
+        )
+    if not call.cancelled():
+        call.exception()  # retrieved, so asyncio does not log it as never retrieved
+    return DrawResult(None, "timeout", TimeoutError(f"rollout_fn took longer than {timeout_s:g}s"))
+
+
 async def gather_or_cancel(coros: list) -> list:
-    """Like `asyncio.gather`, but the first exception cancels the others and is re-raised as is."""
+    """Like `asyncio.gather`, but the first exception cancels the others and is re-raised as is.
+
+    The others get `CANCEL_GRACE_S` to unwind; one that ignores cancellation is left behind, not waited on."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -112,4 +149,7 @@ async def gather_or_cancel(coros: list) -> list:
         for task in tasks:
             if not task.done():
                 task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        unwound, _ = await asyncio.wait(tasks, timeout=CANCEL_GRACE_S)
+        for task in unwound:
+            if not task.cancelled():
+                task.exception()

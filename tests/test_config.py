@@ -1,0 +1,88 @@
+"""Config values refused at construction (each error names its field), the ones deliberately kept,
+and the warning for a warmup longer than the run."""
+
+import logging
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from training.utils.config import RLConfig, SamplingConfig, TISConfig, TrainerConfig
+from training.utils.rl import wiring
+
+INF, NAN = math.inf, math.nan
+
+REFUSED = [
+    (TrainerConfig, {"learning_rate": INF}, "learning_rate"),
+    (TrainerConfig, {"learning_rate": NAN}, "learning_rate"),
+    (TrainerConfig, {"adam_betas": (0.9, 1.0)}, "adam_betas.1"),
+    (TrainerConfig, {"adam_betas": (1.5, 0.95)}, "adam_betas.0"),
+    (TrainerConfig, {"adam_betas": (-0.1, 0.95)}, "adam_betas.0"),
+    (TrainerConfig, {"adam_betas": (NAN, 0.95)}, "adam_betas.0"),
+    (TrainerConfig, {"adam_betas": (0.9, INF)}, "adam_betas.1"),
+    (TrainerConfig, {"weight_decay": INF}, "weight_decay"),
+    (TrainerConfig, {"max_grad_norm": INF}, "max_grad_norm"),
+    (TrainerConfig, {"min_lr_ratio": NAN}, "min_lr_ratio"),
+    (TrainerConfig, {"distributed_timeout_s": INF}, "distributed_timeout_s"),
+    (TrainerConfig, {"lora_alpha": INF}, "lora_alpha"),
+    (SamplingConfig, {"temperature": INF}, "temperature"),
+    (SamplingConfig, {"top_p": NAN}, "top_p"),
+    (SamplingConfig, {"timeout_s": INF}, "timeout_s"),
+    (TISConfig, {"cap": INF}, "cap"),
+    (TISConfig, {"icepop_beta": INF}, "icepop_beta"),
+    (TISConfig, {"seq_mask_low": INF}, "seq_mask_low"),
+    (TISConfig, {"seq_mask_high": INF}, "seq_mask_high"),
+    (TISConfig, {"seq_mask_low": 1.5, "seq_mask_high": 1.2}, "seq_mask_low"),
+    (RLConfig, {"kl_beta": INF}, "kl_beta"),
+    (RLConfig, {"kl_beta": NAN}, "kl_beta"),
+    (RLConfig, {"eps_clip": INF}, "eps_clip"),
+    (RLConfig, {"eps_clip_high": INF}, "eps_clip_high"),
+    (RLConfig, {"dual_clip_c": INF}, "dual_clip_c"),
+    (RLConfig, {"dro_beta": INF}, "dro_beta"),
+    (RLConfig, {"trainer": {"learning_rate": INF}}, "trainer.learning_rate"),
+    (RLConfig, {"tis": {"seq_mask_low": 2.0, "seq_mask_high": 0.5}}, "seq_mask_low"),
+]
+
+
+@pytest.mark.parametrize(("config", "values", "field"), REFUSED,
+                         ids=[f"{c.__name__}-{'-'.join(map(str, v.items()))}" for c, v, _ in REFUSED])
+def test_a_poisoned_value_is_refused_naming_its_field(config, values, field):
+    with pytest.raises(ValidationError) as error:
+        config(**values)
+    assert field in str(error.value)
+
+
+def test_assignment_is_validated_too():
+    cfg = TrainerConfig()
+    with pytest.raises(ValidationError, match="learning_rate"):
+        cfg.learning_rate = INF
+    tis = TISConfig(seq_mask_high=1.2)
+    with pytest.raises(ValidationError, match="seq_mask_low"):
+        tis.seq_mask_low = 1.5
+
+
+def test_values_that_stay_allowed():
+    # The asyncio waits these bound take inf as "no limit"; nan fails their gt=0 bound.
+    assert RLConfig(rollout_timeout_s=INF, eval_timeout_s=INF).rollout_timeout_s == INF
+    with pytest.raises(ValidationError, match="rollout_timeout_s"):
+        RLConfig(rollout_timeout_s=NAN)
+    assert TrainerConfig(adam_betas=(0.0, 0.0), max_grad_norm=None).adam_betas == (0.0, 0.0)
+    assert TISConfig(seq_mask_low=1.0, seq_mask_high=1.0).seq_mask_low == 1.0
+    # Finite but absurd: refused at the optimizer step instead (tests/test_trainer.py).
+    assert TrainerConfig(learning_rate=1e39).learning_rate == 1e39
+
+
+@pytest.mark.parametrize(("warmup_steps", "warns"), [(9, True), (8, False)])
+def test_a_warmup_longer_than_the_run_warns(caplog, warmup_steps, warns):
+    # 2 batches x 2 epochs x 2 minibatches: 8 optimizer steps.
+    cfg = RLConfig(model="tiny-random", ppo_epochs=2, ppo_minibatches=2,
+                   trainer=TrainerConfig(warmup_steps=warmup_steps))
+    with caplog.at_level(logging.WARNING, logger="training"):
+        policy, _, _ = wiring.setup_trainers(cfg, total_steps=2)
+    assert policy.cfg.total_steps == 8
+    messages = [r.getMessage() for r in caplog.records if r.name == "training"]
+    if warns:
+        assert len(messages) == 1
+        assert f"warmup_steps={warmup_steps}" in messages[0] and "8 planned optimizer steps" in messages[0]
+    else:
+        assert messages == []
