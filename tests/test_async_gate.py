@@ -68,7 +68,7 @@ def build(settled):
 
 # G, P, O, C, K are the symbols of skills/dev/references/rl/async-rl.md §3, hence the single-letter names.
 def make(G=2, P=2, O=0, C=None, K=1, retries=0, min_group_size=2, total_rows=None, staleness=None,  # noqa: E741
-         synchronous=False, stall_timeout_s=30.0, max_call_wait_s=30.0, rows=ROWS, max_batches=None):
+         synchronous=False, stall_timeout_s=30.0, max_call_wait_s=30.0, rows=ROWS, max_batches=None, clock=None):
     script = ScriptedDraws()
     gate = OffPolicyGate(group_size=G, groups_per_batch=P, max_offpolicy_versions=O, max_concurrency=C,
                          max_batches=max_batches)
@@ -79,7 +79,7 @@ def make(G=2, P=2, O=0, C=None, K=1, retries=0, min_group_size=2, total_rows=Non
         draw=script.draw, build_group=build,
         breaker=CircuitBreaker(max_consecutive=5, max_rate=0.9, window=20, min_observations=10),
         min_group_size=min_group_size, max_incomplete_group_retries=retries, max_sample_staleness=staleness,
-        max_call_wait_s=max_call_wait_s,
+        max_call_wait_s=max_call_wait_s, **({"clock": clock} if clock else {}),
     )
     return script, gate, coordinator, producer
 
@@ -465,3 +465,47 @@ def test_the_trainers_chunk_wait_never_loses_a_cancel():
         return lambda: coordinator._wait(lambda: bool(ready), lambda: "a chunk"), deliver
 
     assert all(cancel_as_event_arrives(chunk_wait) for _ in range(20))
+
+
+def test_gauge_means_are_time_weighted_over_the_gate_snapshots():
+    """G=2, P=1 (B=2), O=2, C=4, two rows, on a scripted clock. Gate after each event (in flight, staleness,
+    concurrency, admission capacity): t=0 both rows start (4, 6−4=2, 0, 0); t=1 r0 accepted (2, 2, 2, 2);
+    t=4 r1 accepted (0, 2, 4, 2); t=6 the first means are taken and batch 1 published (0, 8−4=4, 4, 4); t=8."""
+    now = [0.0]
+
+    async def scenario():
+        script, gate, coordinator, producer = make(G=2, P=1, O=2, C=4, rows=ROWS[:2], total_rows=2,
+                                                   clock=lambda: now[0])
+        task = asyncio.create_task(producer.run())
+        await settle()
+        first, second = script.rows_started()
+        now[0] = 1.0
+        script.finish(first)
+        await settle()
+        now[0] = 4.0
+        script.finish(second)
+        await task
+        now[0] = 6.0
+        means = producer.take_gauge_means(0.0)
+        await train_and_publish(coordinator, expect_rows=[first])
+        now[0] = 8.0
+        return means, producer.take_gauge_means(6.0)
+
+    first, second = run_async(scenario())
+    assert first == pytest.approx({
+        "async/in_flight_calls_mean": (4 * 1 + 2 * 3 + 0 * 2) / 6,
+        "async/staleness_capacity_samples_mean": (2 * 1 + 2 * 3 + 2 * 2) / 6,
+        "async/concurrency_capacity_samples_mean": (0 * 1 + 2 * 3 + 4 * 2) / 6,
+        "async/admission_capacity_samples_mean": (0 * 1 + 2 * 3 + 2 * 2) / 6,
+    })
+    # The integrals restart at each call; publishing widened the staleness window by B = 2 at t=6.
+    assert second == pytest.approx({
+        "async/in_flight_calls_mean": 0.0,
+        "async/staleness_capacity_samples_mean": 4.0,
+        "async/concurrency_capacity_samples_mean": 4.0,
+        "async/admission_capacity_samples_mean": 4.0,
+    })
+    # Without a cap C there is no concurrency capacity to average.
+    _, _, _, uncapped = make(clock=lambda: 0.0)
+    assert set(uncapped.take_gauge_means(0.0)) == {
+        "async/in_flight_calls_mean", "async/admission_capacity_samples_mean", "async/staleness_capacity_samples_mean"}

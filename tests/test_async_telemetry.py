@@ -3,6 +3,8 @@
 import json
 import logging
 
+import pytest
+
 from training.utils.logging import RunLogger, plot_ledger, read_ledger
 from training.utils.rl.health import RunHealth
 from training.utils.rl.rollout.types import RolloutRun, make_prompt_group, sample_from_completion
@@ -83,3 +85,80 @@ def test_producer_axis_and_torn_ledger_lines(tmp_path):
     assert plots and plot_ledger(tmp_path / "metrics.jsonl", tmp_path)
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
 
+
+
+def test_inference_drift_is_kl_of_sampling_from_raw_on_trained_tokens():
+    from collections import Counter
+
+    from training.utils.rl.groups import SettledRow, rollout_metrics
+    from training.utils.rl.rollout.types import RolloutSample
+
+    def segment(raw_logprobs=None):
+        return RolloutSample(tokens=[5, 6, 7, 8, 9], logprobs=[0.0, 0.0, -0.5, -1.0, -0.25], loss_mask=[0, 0, 1, 1, 1],
+                             reward=1.0, raw_logprobs=raw_logprobs)
+
+    # Trained tokens: logprobs (μ) −0.5, −1.0, −0.25 against raw (ρ) −0.6, −0.9, −0.25 → log μ − log ρ = 0.1, −0.1, 0.
+    # The context tokens' raw values (−7) are never read; the run without raw logprobs does not count.
+    settled = [SettledRow("q", {}, [RolloutRun([segment([-7.0, -7.0, -0.6, -0.9, -0.25])]), RolloutRun([segment()])])]
+    metrics = rollout_metrics(settled, [], Counter())
+    assert metrics["rollout/inference_drift_k1"] == pytest.approx(0.0, abs=1e-12)  # (0.1 − 0.1 + 0) / 3
+    # k3 = mean(ρ/μ − 1 − log(ρ/μ)) over log(ρ/μ) = −0.1, 0.1, 0: (0.0048374 + 0.0051709 + 0) / 3.
+    assert metrics["rollout/inference_drift_k3"] == pytest.approx(0.00333611, rel=1e-6)
+    # Raw logprobs 0.2 nats below the sampled ones on every trained token: k1 is that gap.
+    one_way = [SettledRow("q", {}, [RolloutRun([segment([0.0, 0.0, -0.7, -1.2, -0.45])])])]
+    assert rollout_metrics(one_way, [], Counter())["rollout/inference_drift_k1"] == pytest.approx(0.2)
+    # Omitted, not 0, when nothing reports raw logprobs.
+    assert not any("inference_drift" in k for k in rollout_metrics([SettledRow("q", {}, [RolloutRun([segment()])])],
+                                                                   [], Counter()))
+
+
+def test_async_step_metrics_carry_the_gate_means_and_the_perf_breakdown():
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from training.recipes.async_rl_loop import step_metrics
+    from training.utils.rl.async_rl import BatchCoordinator, CircuitBreaker, OffPolicyGate, RolloutProducer
+    from training.utils.rl.async_rl.coordinator import AcceptedRow, Batch, Chunk
+    from training.utils.rl.dataset import DurableRowSource
+    from training.utils.rl.groups import SettledRow
+
+    # G=2, P=2 (B=4), O=1, C=6, nothing admitted, 2 s on the producer's clock: staleness (0+1+1)·4 = 8,
+    # concurrency 6, admission min(8, 6) = 6, no calls in flight.
+    now = [0.0]
+    producer = RolloutProducer(
+        source=DurableRowSource([{"id": "a"}], seed=0, total_rows=1),
+        gate=OffPolicyGate(group_size=2, groups_per_batch=2, max_offpolicy_versions=1, max_concurrency=6),
+        coordinator=BatchCoordinator(groups_per_batch=2, chunks_per_batch=1, published_version=0, stall_timeout_s=30),
+        draw=None, build_group=None, min_group_size=2, max_incomplete_group_retries=0,
+        breaker=CircuitBreaker(max_consecutive=5, max_rate=0.9, window=20, min_observations=10), clock=lambda: now[0],
+    )
+    now[0] = 2.0
+    g = group(0)
+    accepted = AcceptedRow(g, item=None, settled=SettledRow("r", {}, g.runs_G))
+    batch = Batch(id=1, chunk_targets=[2], chunks=[Chunk(1, 0, [accepted])], sealed=True, rollout_wait_s=0.5)
+    metrics = step_metrics(batch, [], Counter(), producer, SimpleNamespace(version=1), 0.0, step_time=2.0,
+                           train_time=1.5, sync_time=0.25)
+    assert {k: v for k, v in metrics.items() if k.endswith("_mean") and k.startswith("async/")} == {
+        "async/in_flight_calls_mean": 0.0, "async/staleness_capacity_samples_mean": 8.0,
+        "async/concurrency_capacity_samples_mean": 6.0, "async/admission_capacity_samples_mean": 6.0,
+        "async/version_offset_mean": 0.0,
+    }
+    assert metrics["perf/rollout_wait_time"] == 0.5 and metrics["perf/trainer_idle_frac"] == 0.25
+    assert metrics["batch/partial"] == 1.0 and metrics["async/realized_chunks"] == 1.0
+
+
+def test_runaway_reference_kl_is_flagged_with_its_lever(caplog):
+    """A k1 KL term at β = 0.5 once let train/ref_kl diverge to 56 nats per token without a warning."""
+    health = RunHealth(patience=3)
+    ref_kl = [0.05, 0.4, 1.5, 4.0, 0.8, 2.0, 9.0, 56.0]
+    with caplog.at_level(logging.WARNING, logger="training"):
+        fired = [health.check(step, {"train/ref_kl": kl}) for step, kl in enumerate(ref_kl, start=1)]
+    # Above 1 nat at steps 3-4, back under at 5, then 6, 7, 8 in a row: the third of those fires.
+    assert fired == [[]] * 7 + [["ref_kl_runaway"]]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert all(lever in warning for lever in ("trainer.learning_rate", "raise kl_beta", "'k3'", "kl_target"))
+    summary = health.summary()["ref_kl_runaway"]
+    assert summary["first_step"] == 8 and summary["steps"] == 1
+    # Without a reference there is no train/ref_kl and nothing to flag; the limit is a setting.
+    assert RunHealth(patience=1).check(1, {"train/loss": 0.1}) == []
+    assert RunHealth(patience=1, ref_kl_limit=0.1).check(1, {"train/ref_kl": 0.2}) == ["ref_kl_runaway"]

@@ -426,7 +426,8 @@ def test_metrics_are_detached_masked_means():
     loss, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
                                   entropy=t([[0.3, 0.7, 100.0]]))
     assert all(not v.requires_grad for v in m.values())
-    assert m["ppo_kl"].item() == approx((-LN(1.1) - LN(0.9)) / 2)
+    assert m["ppo_kl_k1"].item() == approx((-LN(1.1) - LN(0.9)) / 2)
+    assert m["ppo_kl"].item() == approx((1.1 - LN(1.1) - 1 + 0.9 - LN(0.9) - 1) / 2)  # k3: r − ln r − 1
     assert m["ratio_mean"].item() == approx(1.0)
     assert m["ratio_min"].item() == approx(0.9) and m["ratio_max"].item() == approx(1.1)
     assert m["entropy"].item() == approx(0.5)
@@ -501,3 +502,117 @@ def test_registration_and_config_errors_name_what_is_wrong(readme_loss):
     with pytest.raises(ConfigError, match=r"settings \['tau'\] need defaults"):
         register_policy_loss("no_default", lambda inp, *, tau: None)
     assert "two_inputs" not in POLICY_LOSSES and "no_default" not in POLICY_LOSSES
+
+
+# --- algorithm knobs: importance-sampling ratio cap, TIS lower bound, loss metrics, entropy bonus --------------
+
+
+def test_importance_sampling_ratio_cap_value_gradient_and_config():
+    # c = 2. Per token −min(r, 2)·A with r = 0.5, 1.5, 3 and A = 1, −1, 1: −0.5, +1.5, −2 (capped).
+    pi, old, mask = one_row_with_ratios([0.5, 1.5, 3.0])
+    adv = t([[1.0, -1.0, 1.0]])
+    loss, m = compute_policy_loss("importance_sampling", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask,
+                                  is_ratio_cap=2.0)
+    assert loss.item() == approx((-0.5 + 1.5 - 2.0) / 3)
+    assert m["pg_clipfrac"].item() == approx(1 / 3)
+    loss.backward()
+    # ∂(−r·A/3)/∂π = −r·A/3 below the cap; the capped token has none.
+    assert pi.grad.tolist()[0] == approx([-0.5 / 3, 1.5 / 3, 0.0])
+    # Without the cap the third token keeps −r·A = −3 and its gradient.
+    pi2, _, _ = one_row_with_ratios([0.5, 1.5, 3.0])
+    uncapped, _ = compute_policy_loss("importance_sampling", logprobs=pi2, old_logprobs=old, advantages=adv, mask=mask)
+    assert uncapped.item() == approx((-0.5 + 1.5 - 3.0) / 3)
+    # A setting of the loss, set through policy_loss_params (no config field of that name).
+    cfg = rl_loop.Config(policy_loss="importance_sampling", policy_loss_params={"is_ratio_cap": 2.0})
+    assert cfg.policy_loss_settings() == {"is_ratio_cap": 2.0}
+    with pytest.raises(ConfigError, match="is_ratio_cap=0.5 must be >= 1"):
+        compute_policy_loss("importance_sampling", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask,
+                            is_ratio_cap=0.5)
+
+
+def test_tis_min_weight_clips_from_below():
+    # w = clip(exp(π_old − μ), 0.5, 2): ratios 0.1, 1.5, 3 -> 0.5 (raised), 1.5, 2 (capped)
+    old = t([[-1.0, -1.0, -1.0]])
+    mu = t([[-1.0 - LN(0.1), -1.0 - LN(1.5), -1.0 - LN(3.0)]])
+    pi = leaf([[-1.0, -2.0, -3.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
+                                  rollout_logprobs=mu, tis=TISConfig(cap=2.0, min_weight=0.5))
+    w = [0.5, 1.5, 2.0]
+    assert loss.item() == approx(-((-1.0) * w[0] + (-2.0) * w[1] + (-3.0) * w[2]) / 3)
+    assert m["tis_weight_mean"].item() == approx(sum(w) / 3)
+    assert m["tis_clipfrac"].item() == approx(2 / 3), "both sides count"
+    loss.backward()
+    assert pi.grad.tolist()[0] == approx([-w[0] / 3, -w[1] / 3, -w[2] / 3])
+    with pytest.raises(ValidationError, match="min_weight=3 exceeds cap=2"):
+        TISConfig(cap=2.0, min_weight=3.0)
+
+
+def test_tis_seq_ratio_is_the_mean_sequence_geometric_ratio():
+    # seq 0: π_old − μ = ln 0.5, ln 2 -> exp(mean) = 1; seq 1: ln 2, ln 8 -> exp(ln 4) = 4; seq 2 trains nothing.
+    old = t([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    mu = t([[-LN(0.5), -LN(2.0)], [-LN(2.0), -LN(8.0)], [-5.0, -5.0]])
+    mask = t([[1, 1], [1, 1], [0, 0]])
+    _, m = compute_policy_loss("reinforce", logprobs=leaf([[-1.0] * 2] * 3), old_logprobs=old, advantages=t([1.0] * 3),
+                               mask=mask, rollout_logprobs=mu, tis=TISConfig(cap=10.0))
+    assert m["tis_seq_ratio"].item() == approx((1.0 + 4.0) / 2)
+
+
+def test_ppo_kl_is_k3_and_never_negative_k1_is_kept():
+    # r = exp(π − π_old) = 2 and 0.5: k1 = mean(π_old − π) = (−ln 2 + ln 2)/2 = 0, although π moved;
+    # k3 = mean(r − ln r − 1) = ((2 − ln 2 − 1) + (0.5 + ln 2 − 1))/2 = 0.25.
+    pi, old, mask = one_row_with_ratios([2.0, 0.5])
+    _, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask)
+    assert m["ppo_kl_k1"].item() == approx(0.0) and m["ppo_kl"].item() == approx(0.25)
+    # One token at r = 2: k1 = −ln 2 < 0, k3 = 1 − ln 2 > 0.
+    pi, old, mask = one_row_with_ratios([2.0])
+    _, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask)
+    assert m["ppo_kl_k1"].item() == approx(-LN(2.0)) and m["ppo_kl"].item() == approx(1.0 - LN(2.0))
+
+
+@pytest.mark.parametrize("agg, denominator", [("token_mean", 2.0), ("sum", 1.0)])
+def test_entropy_bonus_value_and_gradient(agg, denominator):
+    # A = 0, so the pg term is 0 and loss = −c·agg(H): H = 0.5, 1.0 on trained tokens, 2.0 masked; c = 0.1.
+    pi = leaf([[-1.0, -1.0, -1.0]])
+    entropy = leaf([[0.5, 1.0, 2.0]])
+    loss, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=pi.detach(), advantages=t([0.0]),
+                                  mask=t([[1, 1, 0]]), entropy=entropy, entropy_coef=0.1, loss_agg_mode=agg)
+    assert loss.item() == approx(-0.1 * (0.5 + 1.0) / denominator)
+    assert m["entropy"].item() == approx(0.75)
+    loss.backward()
+    # ∂loss/∂H_t = −c/denominator on trained tokens, 0 on the masked one.
+    assert entropy.grad.tolist()[0] == approx([-0.1 / denominator, -0.1 / denominator, 0.0])
+
+
+def test_entropy_bonus_gradient_through_the_trainers_softmax():
+    # The trainer's per-token entropy (identity lm_head: logits = hidden) carries the gradient into the logits.
+    # z = (0, ln 3): p = (1/4, 3/4), H = ln 4 − ¾·ln 3; ∂H/∂z_i = −p_i·(ln p_i + H),
+    # so ∂(−c·H)/∂z_i = c·p_i·(ln p_i + H) = (−0.0206, +0.0206) at c = 0.1.
+    from training.utils.trainer.core import _chunk_logprobs_entropy
+
+    logits = leaf([[0.0, LN(3.0)]])
+    _, entropy = _chunk_logprobs_entropy(torch.nn.Identity(), logits, torch.tensor([1]), 1.0)
+    h = LN(4.0) - 0.75 * LN(3.0)
+    assert entropy.item() == approx(h)
+    loss, _ = compute_policy_loss("grpo", logprobs=leaf([[-1.0]]), old_logprobs=t([[-1.0]]), advantages=t([0.0]),
+                                  mask=t([[1]]), entropy=entropy[None], entropy_coef=0.1)
+    loss.backward()
+    assert logits.grad.tolist()[0] == approx([0.1 * 0.25 * (LN(0.25) + h), 0.1 * 0.75 * (LN(0.75) + h)])
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "importance_sampling", "reinforce", "dro", "gspo", "cispo"])
+def test_entropy_coef_zero_leaves_loss_and_gradient_bit_identical(name):
+    def run(**extra):
+        pi, old, mask = one_row_with_ratios([0.7, 1.3, 1.05])
+        entropy = leaf([[0.4, 0.9, 1.6]])
+        loss, _ = compute_policy_loss(name, logprobs=pi, old_logprobs=old, advantages=t([[1.0, -1.0, 0.5]]),
+                                      mask=mask, entropy=entropy, **extra)
+        loss.backward()
+        return loss, pi.grad, entropy.grad
+
+    base, zero = run(), run(entropy_coef=0.0)
+    assert torch.equal(base[0], zero[0]) and torch.equal(base[1], zero[1])
+    assert base[2] is None and zero[2] is None, "no entropy term at all, not a zero one"
+    with pytest.raises(ConfigError, match="entropy_coef=0.1 needs the per-token entropy"):
+        compute_policy_loss(name, logprobs=leaf([[-1.0]]), old_logprobs=t([[-1.0]]), advantages=t([1.0]),
+                            mask=t([[1]]), entropy_coef=0.1)

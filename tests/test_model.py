@@ -51,9 +51,8 @@ def test_local_directory_round_trip(tmp_path):
 
 
 def test_unknown_name_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelLoadError,
-                       match="neither a known alias .* nor a local directory; this library never downloads"):
-        load_model_and_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ModelLoadError, match="neither a known alias .*, a local directory, nor a Hugging Face Hub id"):
+        load_model_and_tokenizer(str(tmp_path / "missing"))
     with pytest.raises(ModelLoadError, match="has no config.json"):
         load_tokenizer(str(tmp_path))
 

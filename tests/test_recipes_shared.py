@@ -112,3 +112,28 @@ def test_a_run_that_trains_nothing_stops_with_the_reasons_instead_of_exiting_0(t
     with pytest.raises(NothingTrainedError, match=r"no group was trained in the 2 planned steps: rows not trained "
                                                   r"\{'filtered': 4\}, draws dropped none"):
         recipe.main(cfg, rollout_fn_factory=shim_like_factory, rows=ROWS[:4], dynamic_filter_fn=lambda group: False)
+
+
+def test_a_config_written_with_the_seeds_names_runs(tmp_path):
+    """The cookbook's spelling: `DeployConfig`, and O left at its default (0, on-policy at submission)."""
+    from training.utils.config import DeployConfig
+
+    calls = []
+
+    def factory(setup):
+        async def rollout_fn(row, sample_index, rollout_idx, submit_version, end_of_epoch):
+            calls.append((row["id"], rollout_idx, submit_version, end_of_epoch))
+            return sample_from_completion(row["prompt_token_ids"], [70 + sample_index, 80], [-1.0, -2.0],
+                                          reward=float(sample_index % 2))
+        return rollout_fn
+
+    cfg = async_rl_loop.Config(model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=2,
+                               deployment=DeployConfig(weight_sync="in_process"), log_path=str(tmp_path / "run"),
+                               sampling=SamplingConfig(max_tokens=4), progress=False)
+    assert cfg.max_head_offpolicy_versions == 0
+    summary = async_rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS[:4])
+    assert summary["steps"] == 2
+    # O=0: batch 2's rows were submitted only after batch 1 was published.
+    assert sorted(version for _, _, version, _ in calls) == [0] * 4 + [1] * 4
+    assert all(index in (0, 1) for _, index, _, _ in calls)
+    assert sum(end for *_, end in calls) == 2  # the epoch's last row, both of its draws

@@ -145,3 +145,55 @@ def test_row_cursor_is_deterministic_resumable_and_wraps_epochs():
     assert [i.row_id for i in RowCursor(rows, seed=3).take(3)] == [i.row_id for i in first]
     with pytest.raises(ConfigError, match=r"rows\[1\] is str; every dataset row must be a dict"):
         RowCursor([{}, "x"], seed=0)
+
+
+def test_context_marks_the_last_row_of_each_epoch_in_cursor_order_and_names_the_draw_twice():
+    from training.utils.rl.rollout.invoke import draw_context
+
+    rows = [{"id": f"r{i}"} for i in range(3)]
+    items = RowCursor(rows, seed=3).take(7)  # two shuffled epochs and the first row of a third
+    contexts = [draw_context(item, rows_per_epoch=3, sample_index=2, submit_version=4) for item in items]
+    assert [c["end_of_epoch"] for c in contexts] == [False, False, True, False, False, True, False]
+    # row_index is the row's place in `rows`, which the shuffle permutes: epoch 0 hands out rows 2, 1, 0,
+    # so rows[0] ends it.
+    assert [c["row_index"] for c in contexts[:3]] == [2, 1, 0] and contexts[2]["cursor_index"] == 2
+    assert all(c["rollout_idx"] == c["sample_index"] == 2 for c in contexts)
+    assert set(contexts[0]) == set(CONTEXT_KEYS) and contexts[0]["evaluation"] is False
+    assert [c["epoch"] for c in contexts] == [0, 0, 0, 1, 1, 1, 2]
+
+
+def context_recorder(seen):
+    async def rollout(row, rollout_idx, end_of_epoch, cursor_index, evaluation):
+        seen.append((row["id"], rollout_idx, end_of_epoch, cursor_index, evaluation))
+        return sample()
+
+    return rollout
+
+
+def test_every_caller_passes_rollout_idx_and_end_of_epoch():
+    """The async producer's draw, rl_loop's sample_row and rollout_evaluation all build the same context."""
+    from training.recipes import rl_loop
+    from training.utils.rl.async_rl import make_draw_fn
+    from training.utils.rl.evaluation import rollout_evaluation
+
+    rows = [{"id": f"r{i}"} for i in range(3)]
+    items = RowCursor(rows, seed=0, shuffle=False).take(3)
+    assert context_params(context_recorder([])) == ("rollout_idx", "end_of_epoch", "cursor_index", "evaluation")
+
+    seen = []
+    rollout = context_recorder(seen)
+    draw = make_draw_fn(rollout, context_params(rollout), rows_per_epoch=3, vocab_size=10, timeout_s=5)
+    asyncio.run(draw(items[2], 1, 0))
+    assert seen == [("r2", 1, True, 2, False)]
+
+    seen.clear()
+    cfg = rl_loop.Config(completions_per_prompt=2, rollout_timeout_s=5)
+    settled = asyncio.run(rl_loop.sample_row(items[1], rollout, context_params(rollout), cfg, rows_per_epoch=3,
+                                             vocab_size=10, version=0))
+    assert len(settled.runs_G) == 2 and sorted(seen) == [("r1", 0, False, 1, False), ("r1", 1, False, 1, False)]
+
+    seen.clear()
+    evaluation_fn = rollout_evaluation(lambda setup: context_recorder(seen), rows, samples_per_row=2)
+    assert asyncio.run(evaluation_fn(None, 3)) == {"reward": 1.0, "dropped": 0.0}
+    assert sorted(seen) == [("r0", 0, False, 0, True), ("r0", 1, False, 0, True), ("r1", 0, False, 1, True),
+                            ("r1", 1, False, 1, True), ("r2", 0, True, 2, True), ("r2", 1, True, 2, True)]

@@ -165,3 +165,17 @@ def test_prompt_group_broadcasts_one_advantage_per_run_over_segments():
     assert group.rewards_G == [1.0, 0.0] and group.rewards == [1.0, 0.0]
     assert [d.advantage for d in group.datums] == [0.7, 0.7, -0.7]
     assert all(isinstance(d, Datum) for d in group.datums) and group.submit_version == 4
+
+
+def test_raw_logprobs_are_checked_like_logprobs():
+    check(good_sample(raw_logprobs=[0.0] * 4),
+          "row 'q17' draw 3 segment 0: tokens has 5 entries but raw_logprobs has 4")
+    check(good_sample(raw_logprobs=[0.0, 0.0, -0.5, math.inf, -0.25]),
+          "row 'q17' draw 3 segment 0: raw_logprobs[3] is inf at a trained position; expected finite")
+    check(good_sample(raw_logprobs=[0.0, 0.0, 0.5, -1.0, -0.25]),
+          "row 'q17' draw 3 segment 0: raw_logprobs[2] is 0.5, a log-probability must be <= 0")
+    # Context positions are not read, and raw logprobs never reach the datum.
+    sample = good_sample(raw_logprobs=[math.nan, 0.0, -0.6, -0.9, -0.3])
+    (datum,) = pack_run(validate_run(sample, row_id="q17", draw_index=3, vocab_size=100), advantage=1.0)
+    assert datum.behaviour_logprobs == [0.0, -0.5, -1.0, -0.25]
+

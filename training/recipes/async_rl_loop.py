@@ -4,11 +4,11 @@ What the algorithm is:
 1. The same objective as `rl_loop`: one reward per run, group advantages
    (`advantage_estimator`) broadcast over the run's tokens, the configured policy loss,
    optional KL to a frozen copy of the initial policy (`kl_beta`).
-2. Rollouts are off-policy by design: a row may be submitted while up to
+2. Rollouts may run off-policy: a row may be submitted while up to
    `max_head_offpolicy_versions` (O) newer batches are still being trained, so it samples
    from weights up to O versions old (more for a slow row; measured as
-   `async/version_offset_*`, optionally capped by `max_sample_staleness`). O = 0 is
-   on-policy at submission; `synchronous_training=True` also forbids overlap.
+   `async/version_offset_*`, optionally capped by `max_sample_staleness`). O = 0, the
+   default, is on-policy at submission; `synchronous_training=True` also forbids overlap.
 3. The ratio's anchor π_old is recomputed with the pre-update weights (`anchor_logp=
    "old_policy"`), so the PPO clip only bounds the update within a batch; the staleness of
    the samples themselves is corrected only when `tis` is set (weight exp(π_old − μ)).
@@ -63,9 +63,10 @@ class Config(RLConfig):
     """The shared fields plus the async knobs: the off-policy gate, failure limits, producer gauges."""
 
     # -- the off-policy gate (skills/dev/references/rl/async-rl.md) ---------------------------------
-    max_head_offpolicy_versions: int = Field(1, ge=0)
+    max_head_offpolicy_versions: int = Field(0, ge=0)
     """O: rows may be submitted while up to O batches beyond the published version are accepted or
-    in flight, i.e. at most O+1 batches of samples outstanding. 0 is on-policy at submission."""
+    in flight, i.e. at most O+1 batches of samples outstanding. The default 0 is on-policy at submission
+    (with one chunk, the batches of `rl_loop`); O >= 1 lets sampling overlap training."""
     max_concurrency_rollout_sample: int | None = Field(None, ge=1)
     """C: most rollout_fn calls in flight at once; None leaves only the staleness budget. Must be >= G."""
     pipeline_chunks_per_step: int = Field(1, ge=1)
@@ -181,7 +182,7 @@ def start_producer(run: TrainingRun, dynamic_filter_fn) -> tuple[BatchCoordinato
     )
     producer = RolloutProducer(
         source=source, gate=gate, coordinator=coordinator,
-        draw=make_draw_fn(run.rollout_fn, context_params(run.rollout_fn),
+        draw=make_draw_fn(run.rollout_fn, context_params(run.rollout_fn), rows_per_epoch=len(rows),
                           vocab_size=run.policy.model.config.vocab_size, timeout_s=cfg.rollout_timeout_s),
         build_group=group_builder(cfg, dynamic_filter_fn),
         breaker=CircuitBreaker(max_consecutive=cfg.max_consecutive_rollout_failures,
@@ -239,7 +240,7 @@ def step_metrics(batch, rejected: list[SettledRow], reasons: Counter, producer: 
         "async/version": float(batch.id),
         "async/weights_version": float(deployment.version),
         "async/realized_chunks": float(len(batch.chunks)),
-        "async/in_flight_calls_mean": producer.take_in_flight_mean(step_start),
+        **producer.take_gauge_means(step_start),  # async/in_flight_calls_mean, async/*_capacity_samples_mean
         "batch/samples": float(samples),
         "batch/partial": float(batch.partial),
         "batch/row_ids": [g.row_id for g in groups],

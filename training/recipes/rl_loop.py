@@ -38,7 +38,7 @@ from training.utils.deploy import Deployment
 from training.utils.errors import CircuitBreakerError
 from training.utils.rl.dataset import DurableRowSource, RowItem
 from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
-from training.utils.rl.rollout.invoke import context_params, gather_or_cancel, run_draw
+from training.utils.rl.rollout.invoke import context_params, draw_context, gather_or_cancel, run_draw
 from training.utils.rl.rollout.types import PromptGroup
 from training.utils.rl.telemetry import perf_metrics
 from training.utils.rl.train_step import train_batch
@@ -66,7 +66,7 @@ async def train_loop(run: TrainingRun, *, dynamic_filter_fn=None) -> None:
         t_step = time.monotonic()
         # 1. Sample P rows × G draws on the published policy; assemble groups.
         items_P = [item for _ in range(cfg.prompt_groups_per_step) if (item := source.next()) is not None]
-        settled_P = await sample_batch(items_P, run.rollout_fn, context_keys, cfg,
+        settled_P = await sample_batch(items_P, run.rollout_fn, context_keys, cfg, rows_per_epoch=len(run.rows),
                                        vocab_size=run.policy.model.config.vocab_size, version=run.deployment.version)
         groups, counts = build_groups(settled_P, cfg.advantage_estimator, dynamic_filter_fn)
         metrics = rollout_metrics(settled_P, groups, counts)
@@ -112,26 +112,26 @@ def step_metrics(groups: list[PromptGroup], deployment: Deployment, *, step_time
 
 
 async def sample_batch(
-    items_P: list[RowItem], rollout_fn, context_keys, cfg: RLConfig, *, vocab_size: int, version: int
+    items_P: list[RowItem], rollout_fn, context_keys, cfg: RLConfig, *, rows_per_epoch: int, vocab_size: int,
+    version: int
 ) -> list[SettledRow]:
     """Phase 1: all rows of the batch concurrently; a fatal error in any draw cancels the rest."""
-    return await gather_or_cancel(
-        [sample_row(item, rollout_fn, context_keys, cfg, vocab_size=vocab_size, version=version) for item in items_P]
-    )
+    return await gather_or_cancel([
+        sample_row(item, rollout_fn, context_keys, cfg, rows_per_epoch=rows_per_epoch, vocab_size=vocab_size,
+                   version=version)
+        for item in items_P
+    ])
 
 
 async def sample_row(
-    item: RowItem, rollout_fn, context_keys, cfg: RLConfig, *, vocab_size: int, version: int
+    item: RowItem, rollout_fn, context_keys, cfg: RLConfig, *, rows_per_epoch: int, vocab_size: int, version: int
 ) -> SettledRow:
     """G draws of one row; re-run all G while too few survive, up to the retry budget."""
     drops: Counter = Counter()
     min_runs = cfg.effective_min_group_size()
     for attempt in range(1, cfg.max_incomplete_group_retries + 2):
-        contexts = [
-            dict(cursor_index=item.cursor_index, row_index=item.row_index, epoch=item.epoch,
-                 sample_index=i, submit_version=version, evaluation=False)
-            for i in range(cfg.completions_per_prompt)
-        ]
+        contexts = [draw_context(item, rows_per_epoch=rows_per_epoch, sample_index=i, submit_version=version)
+                    for i in range(cfg.completions_per_prompt)]
         results = await gather_or_cancel([
             run_draw(rollout_fn, item.row, ctx, context_keys, row_id=item.row_id, draw_index=ctx["sample_index"],
                      vocab_size=vocab_size, timeout_s=cfg.rollout_timeout_s)

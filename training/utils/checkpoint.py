@@ -18,6 +18,7 @@ Integrity rules:
 - `load_checkpoint` checks the files against `checksums.json` before reading any of them and raises
   `CheckpointError` naming a missing, truncated or changed file. A checkpoint from before checksums
   (no manifest) loads with a warning that it cannot be verified.
+- `load_weights` (a warm start) checks the files the same way, then loads only the policy's weights.
 - `load_latest_verified` (what the recipes call at start-up) loads an explicitly named checkpoint or
   fails; otherwise it walks back from the newest checkpoint past damaged ones with a warning each,
   and raises `CheckpointError` if none loads. A later save deletes checkpoints with a higher step
@@ -52,9 +53,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from training.utils import distributed
 from training.utils.errors import CheckpointError, ConfigError
@@ -143,6 +150,21 @@ def load_checkpoint(path: str | Path, *, policy: Trainer, np_rng: np.random.Gene
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {exc.problem}. {_ADVICE}") from exc.__cause__
 
 
+def load_weights(path: str | Path, *, policy: Trainer) -> None:
+    """Warm start: check `path` against its checksums, then load only the policy's weights (with LoRA, its
+    adapters); the optimizer, LR schedule, step counters and RNGs stay as they are (fresh), and the saved
+    progress is not read. Collective under torchrun, like `load_checkpoint`.
+
+    Raises `CheckpointError` when a file is damaged or the checkpoint lacks some of the policy's weights
+    (another model, or another LoRA setting), `ConfigError` when `path` is not a directory.
+    """
+    path = Path(path)
+    try:
+        _load_checked(path, policy, None)
+    except _Unloadable as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {exc.problem}") from exc.__cause__
+
+
 def load_latest_verified(
     log_path: str | Path, explicit_path: str | Path | None = None, *, policy: Trainer, np_rng: np.random.Generator,
 ) -> tuple[Path, dict[str, Any]] | None:
@@ -197,8 +219,9 @@ def verify_checkpoint(path: str | Path) -> str | None:
     return None
 
 
-def _load_checked(path: Path, policy: Trainer, np_rng: np.random.Generator) -> dict[str, Any]:
-    """Verify (on rank 0, whose verdict every rank shares), then restore; raises `_Unloadable`."""
+def _load_checked(path: Path, policy: Trainer, np_rng: np.random.Generator | None) -> dict[str, Any] | None:
+    """Verify (on rank 0, whose verdict every rank shares), then restore (without `np_rng`: the weights
+    only, returning None); raises `_Unloadable`."""
     if not path.is_dir():
         raise ConfigError(f"{path} is not a checkpoint directory")
     problem, verified = distributed.broadcast_object(
@@ -209,7 +232,7 @@ def _load_checked(path: Path, policy: Trainer, np_rng: np.random.Generator) -> d
         log.warning("checkpoint %s has no %s (written before checkpoints carried checksums): loading it "
                     "unverified", path, MANIFEST_FILE)
     try:
-        return _restore(path, policy, np_rng)
+        return _restore(path, policy, np_rng) if np_rng is not None else _restore_weights(path, policy)
     except _READ_ERRORS as exc:
         if verified:
             raise  # the bytes are the ones written, so this is not damage: let it surface as it is
@@ -238,14 +261,36 @@ def _restore(path: Path, policy: Trainer, np_rng: np.random.Generator) -> dict[s
     return meta["progress"]
 
 
+def _restore_weights(path: Path, policy: Trainer) -> None:
+    """Read only the policy's weights from the DCP snapshot at `path` (a template with just the model)."""
+    model_sd = _lora_only(policy, get_model_state_dict(policy.model, options=_model_options(policy)))
+    saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    missing = sorted(name for name in model_sd if f"model.{name}" not in saved)
+    if missing:
+        kind = "LoRA adapter" if policy.lora else "weight"
+        raise _Unloadable(
+            f"it has no values for {len(missing)} of the policy's {len(model_sd)} {kind} tensors (first: "
+            f"{missing[0]}); it was written for another model or another LoRA setting (trainer.lora_rank, "
+            "lora_target_modules)")
+    with _single_process_quiet():
+        dcp.load({"model": model_sd}, checkpoint_id=str(path), no_dist=not _distributed())
+    set_model_state_dict(policy.model, model_sd, options=_model_options(policy))
+
+
+def _lora_only(policy: Trainer, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """With LoRA, the adapters (the trainable parameters) of a model state dict; else all of it."""
+    if not policy.lora:
+        return model_sd
+    # `ignore_frozen_params` keeps frozen aliases of tied weights (lm_head = embed_tokens).
+    trainable = {n for n, p in policy.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {name: tensor for name, tensor in model_sd.items() if name in trainable}
+
+
 def _state(policy: Trainer, np_rng: np.random.Generator, progress: dict[str, Any]) -> dict[str, Any]:
     """Tensors as DCP entries; everything else in one JSON string (DCP restores only the keys a
     template already has, so free-form values travel as a single leaf)."""
     model_sd, optim_sd = get_state_dict(policy.model, policy.optimizer, options=_model_options(policy))
-    if policy.lora:
-        # `ignore_frozen_params` keeps frozen aliases of tied weights (lm_head = embed_tokens).
-        trainable = {n for n, p in policy.model.named_parameters(remove_duplicate=False) if p.requires_grad}
-        model_sd = {name: tensor for name, tensor in model_sd.items() if name in trainable}
+    model_sd = _lora_only(policy, model_sd)
     meta = {
         "progress": progress,
         "scheduler": policy.scheduler.state_dict(),

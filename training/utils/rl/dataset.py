@@ -1,4 +1,5 @@
-"""Dataset rows: JSONL files, generated train/eval splits, and deterministic, resumable iteration over rows.
+"""Dataset rows: files (JSONL, JSON, Parquet), sequences such as a Hugging Face `datasets.Dataset`, generated
+train/eval splits, and deterministic, resumable iteration over rows.
 
 Each epoch visits every row once in an order shuffled from `(seed, epoch)`, so the
 whole position is two integers (`epoch`, `position`) that a checkpoint can store.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,64 @@ from training.utils.errors import ConfigError
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """One row per non-blank line."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return parse_json_lines(Path(path).read_text())
+
+
+def parse_json_lines(text: str) -> list[Any]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+ROW_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def read_rows_file(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a `.jsonl` file (one object per line), a `.json` file (a JSON array of objects, or JSON lines as
+    `datasets.Dataset.to_json` writes them) or a `.parquet` file (read with pyarrow)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in ROW_FILE_SUFFIXES:
+        raise ConfigError(f"dataset file {path} has extension {suffix or '(none)'!r}; accepted: "
+                          f"{', '.join(ROW_FILE_SUFFIXES)}")
+    if suffix == ".parquet":
+        return _read_parquet(path)
+    text = path.read_text()
+    try:
+        return json.loads(text) if suffix == ".json" and text.lstrip().startswith("[") else parse_json_lines(text)
+    except json.JSONDecodeError as error:
+        expected = "one JSON object per line" if suffix == ".jsonl" else "a JSON array of objects, or one per line"
+        raise ConfigError(f"dataset file {path} does not hold {expected}: {error.msg}") from error
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"reading the Parquet file {path} needs pyarrow, which is not installed: "
+                          "pip install pyarrow") from None
+    return pq.read_table(path).to_pylist()
+
+
+def as_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`main()`'s rows as a checked list: a list as is; a Hugging Face `datasets.Dataset` (anything with
+    `to_list()`) or any other iterable of dicts copied into one, since rows are indexed every epoch."""
+    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Iterable):
+        # A mapping is most often a `datasets.DatasetDict` of splits; iterating it would yield its keys.
+        raise ConfigError(f"rows is a {type(rows).__name__}; pass a sequence of dict rows (a list, a "
+                          "datasets.Dataset, ...); for a dataset with splits, one split: rows=dataset['train']")
+    if not isinstance(rows, list):
+        to_list = getattr(rows, "to_list", None)
+        rows = to_list() if callable(to_list) else list(rows)
+    check_rows(rows)
+    return rows
+
+
+def check_rows(rows: list[Any]) -> None:
+    """Refuse an empty dataset and a row that is not a dict, naming it."""
+    if not rows:
+        raise ConfigError("rows is empty: pass at least one dataset row to main()")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(f"rows[{i}] is {type(row).__name__}; every dataset row must be a dict")
 
 
 def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
@@ -79,11 +137,7 @@ def row_id_of(row: dict[str, Any], row_index: int) -> str:
 
 class RowCursor:
     def __init__(self, rows: list[dict[str, Any]], *, seed: int, shuffle: bool = True):
-        if not rows:
-            raise ConfigError("rows is empty: pass at least one dataset row to main()")
-        for i, row in enumerate(rows):
-            if not isinstance(row, dict):
-                raise ConfigError(f"rows[{i}] is {type(row).__name__}; every dataset row must be a dict")
+        check_rows(rows)
         self.rows = rows
         self.seed = seed
         self.shuffle = shuffle

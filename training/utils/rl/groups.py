@@ -3,19 +3,27 @@
 A row is settled when all G draws returned or dropped (and any retries ran). Rows with
 enough surviving runs get advantages over the batch (`reinforce_pp_baseline` whitens
 across it), then `dynamic_filter_fn` may reject accepted groups.
+
+Reward shaping that needs the trainer (the KL to the reference, `kl_placement="reward"`) or
+the config (`overlong_penalty`) happens where a chunk trains: `reshape_advantages` regroups
+its datums into runs and groups (each is a `RunDatum` linked to its group's raw rewards) and
+recomputes their advantages from the shaped rewards. The groups themselves, and so
+`dynamic_filter_fn` and the `rollout/*` metrics, keep the raw rewards.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from training.utils.rl.advantages import compute_advantages
 from training.utils.rl.rollout.types import PromptGroup, RolloutRun, make_prompt_group
+from training.utils.rl.telemetry import inference_drift_metrics
+from training.utils.trainer import Datum
 
 
 @dataclass
@@ -30,6 +38,30 @@ class SettledRow:
     rejected: bool = False
     """Too few runs survived even after the retries."""
     submit_version: int = 0
+
+
+@dataclass(eq=False)
+class GroupRewards:
+    """One group's raw run rewards, shared by all of its datums (`RunDatum.group`)."""
+
+    rewards_G: list[float]
+
+
+@dataclass
+class RunDatum(Datum):
+    """A `Datum` that knows its group and run, so that the trainer can regroup a chunk's datums and recompute
+    their advantages from rewards only it can shape (`reshape_advantages`). `build_groups` packs these."""
+
+    group: GroupRewards | None = None
+    run_index: int = 0
+    """The run's index in `group.rewards_G`."""
+
+
+def link_runs(group: PromptGroup) -> list[RunDatum]:
+    """The group's datums (one per segment, run by run) as `RunDatum`s linked to its raw rewards."""
+    rewards = GroupRewards(list(group.rewards_G))
+    run_of_D = [g for g, run in enumerate(group.runs_G) for _ in run.segments]
+    return [RunDatum(**vars(d), group=rewards, run_index=g) for d, g in zip(group.datums, run_of_D, strict=True)]
 
 
 def build_groups(
@@ -48,6 +80,7 @@ def build_groups(
     for i, advantages_G in zip(result.kept_indices, result.advantages_P_G):
         s = candidates[i]
         group = make_prompt_group(s.row_id, s.runs_G, list(advantages_G), row=s.row, submit_version=s.submit_version)
+        group.datums = link_runs(group)
         if dynamic_filter_fn is not None and not dynamic_filter_fn(group):
             counts["filtered"] += 1
             continue
@@ -56,8 +89,81 @@ def build_groups(
     return groups, counts
 
 
+def overlong_penalty(length: float, max_length: int, buffer: int) -> float:
+    """DAPO's overlong shaping: min(0, max(−1, ((L_max − L_cache) − L) / L_cache)), L_max max_length, L_cache buffer."""
+    return min(0.0, max(-1.0, (max_length - buffer - length) / buffer))
+
+
+@dataclass
+class Reshaped:
+    """`reshape_advantages`' result: the datums with their run's new advantage, and the shaping per run."""
+
+    datums_D: list[Datum]
+    kl_penalty_R: list[float]
+    """β·KL subtracted from each run's reward (empty without `kl_D`)."""
+    overlong_R: list[float]
+    """`overlong_penalty` added to each run's reward (empty without `overlong`)."""
+
+
+def reshape_advantages(
+    datums_D: list[Datum],
+    estimator: str,
+    *,
+    kl_D: list[float] | None = None,
+    kl_beta: float = 0.0,
+    overlong: tuple[int, int] | None = None,
+) -> Reshaped:
+    """The advantages of the groups `datums_D` holds, again, from each run's shaped reward
+
+        r' = r + overlong_penalty(L, *overlong) − kl_beta · Σ kl_D
+
+    L the run's trained tokens and the sum over its datums (`kl_D`: one KL sum per datum). Every
+    run of each group must be among `datums_D` (a chunk trains whole groups); an estimator that
+    whitens does so over these groups. The datums are copies: the groups' own keep their advantages.
+    """
+    runs: dict[tuple[int, int], list[int]] = {}
+    groups: dict[int, GroupRewards] = {}
+    for i, datum in enumerate(datums_D):
+        if not isinstance(datum, RunDatum) or datum.group is None:
+            raise ValueError(f"datum {i} does not say its group and run; shaping rewards on the trainer "
+                             "(kl_placement='reward', overlong_penalty) needs the datums of build_groups' groups")
+        groups.setdefault(id(datum.group), datum.group)
+        runs.setdefault((id(datum.group), datum.run_index), []).append(i)
+    rewards_P_G, kl_penalty_R, overlong_R = [], [], []
+    for key, group in groups.items():
+        shaped_G = []
+        for g, reward in enumerate(group.rewards_G):
+            if (key, g) not in runs:
+                raise ValueError(f"run {g} of a group of {len(group.rewards_G)} is not among the datums; its group's "
+                                 "advantages need every run's reward")
+            indices = runs[key, g]
+            if kl_D is not None:
+                kl_penalty_R.append(kl_beta * sum(kl_D[i] for i in indices))
+                reward -= kl_penalty_R[-1]
+            if overlong is not None:
+                overlong_R.append(overlong_penalty(sum(sum(datums_D[i].weights) for i in indices), *overlong))
+                reward += overlong_R[-1]
+            shaped_G.append(reward)
+        rewards_P_G.append(shaped_G)
+    result = compute_advantages(rewards_P_G, estimator)
+    if result.dropped:  # build_groups dropped these already, so a kept group cannot be dropped now
+        raise ValueError(f"advantage_estimator={estimator!r} drops groups {result.dropped} that build_groups kept")
+    advantage_of = {(key, g): a for key, advantages_G in zip(groups, result.advantages_P_G)
+                    for g, a in enumerate(advantages_G)}
+    return Reshaped(
+        [replace(d, advantage=advantage_of[id(d.group), d.run_index]) for d in datums_D],
+        kl_penalty_R, overlong_R,
+    )
+
+
+def count_runs(datums_D: list[Datum]) -> int:
+    """Runs among `datums_D` (a datum that says no run counts as one)."""
+    return len({(id(d.group), d.run_index) if isinstance(d, RunDatum) and d.group else id(d) for d in datums_D})
+
+
 def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], counts: Counter) -> dict[str, float]:
-    """`rollout/*` metrics of one batch, with the agent shim's counters.
+    """`rollout/*` metrics of one batch, with the inference drift (`telemetry.inference_drift_metrics`)
+    and the agent shim's counters.
 
     The names are listed in skills/dev/references/rl/async-rl.md §8."""
     runs = [run for s in settled_P for run in s.runs_G]
@@ -82,7 +188,7 @@ def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], coun
     metrics["rollout/groups_accepted"] = float(counts["accepted"])
     metrics["rollout/groups_rejected"] = float(sum(v for k, v in counts.items() if k != "accepted"))
     metrics["rollout/retries"] = float(sum(s.attempts - 1 for s in settled_P))
-    return metrics | shim_metrics(runs)
+    return metrics | inference_drift_metrics(runs) | shim_metrics(runs)
 
 
 def shim_metrics(runs: list[RolloutRun]) -> dict[str, float]:

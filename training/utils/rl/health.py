@@ -25,7 +25,7 @@ class RunHealth:
 
     LEVERS = {
         "entropy_collapse": "policy entropy collapsed: lower trainer.learning_rate, raise sampling.temperature, "
-                            "or add kl_beta",
+                            "add kl_beta or set entropy_coef",
         "reward_zero_std": "most groups have identical rewards, so their advantages are 0 and they teach nothing: "
                            "make the task easier or harder, raise completions_per_prompt, or drop such groups "
                            "with dynamic_filter_fn",
@@ -47,11 +47,16 @@ class RunHealth:
                         "or make rollouts faster",
         "nonfinite_steps": "optimizer steps were skipped for a non-finite gradient: lower trainer.learning_rate "
                            "and check the scale of rewards",
+        "ref_kl_runaway": "the policy is running away from the reference (train/ref_kl above ref_kl_limit nats per "
+                          "token): lower trainer.learning_rate, raise kl_beta, use kl_estimator='k3' (k1 in the loss "
+                          "has no expected gradient toward π_ref), or set kl_target so that β adapts",
     }
 
-    def __init__(self, *, patience: int = 3, reward_window: int = 10):
+    def __init__(self, *, patience: int = 3, reward_window: int = 10, ref_kl_limit: float = 1.0):
         self.patience = patience
         self.reward_window = reward_window
+        self.ref_kl_limit = ref_kl_limit
+        """Nats per trained token of `train/ref_kl` (the k3 KL to the reference) past which the run is running away."""
         self.first_step: dict[str, int] = {}
         self.steps_held: dict[str, int] = {}
         self._streak: dict[str, int] = {}
@@ -84,10 +89,12 @@ class RunHealth:
             "reward_flat": len(recent) == self.reward_window and max(recent) - min(recent) < 1e-3,
             "trainer_idle": m.get("perf/trainer_idle_frac", 0.0) > 0.5,
             "nonfinite_steps": m.get("train/skipped_steps_total", self._skipped) > self._skipped,
+            "ref_kl_runaway": m.get("train/ref_kl", 0.0) > self.ref_kl_limit,
         }
         self._skipped = m.get("train/skipped_steps_total", self._skipped)
         # Trends need `patience` steps in a row; the rest are decisive at once.
-        needs_patience = {"reward_zero_std", "length_capped", "trainer_idle", "sampler_trainer_gap", "offpolicy_gap"}
+        needs_patience = {"reward_zero_std", "length_capped", "trainer_idle", "sampler_trainer_gap", "offpolicy_gap",
+                          "ref_kl_runaway"}
         fired = []
         for name, holds in conditions.items():
             self._streak[name] = self._streak.get(name, 0) + 1 if holds else 0

@@ -11,8 +11,9 @@ anchor logprob, `μ` sampler logprob, `π_ref` reference logprob, `A` advantage,
 2. calls the registered loss (`POLICY_LOSSES[name].fn`), which returns a per-token loss;
 3. applies the train-inference correction (TIS weight, IcePop and seq-mask filters) to
    that policy-gradient term only;
-4. adds `kl_beta · KL(π ‖ π_ref)` as a second per-token term;
-5. aggregates both terms with `LOSS_AGG_MODES[loss_agg_mode].reduce` and returns
+4. adds `kl_beta · KL(π ‖ π_ref)` as a second per-token term, and subtracts the entropy bonus
+   `entropy_coef · H` as a third (H must then carry π's gradient);
+5. aggregates the terms with `LOSS_AGG_MODES[loss_agg_mode].reduce` and returns
    `(loss, metrics)`, metrics being detached tensors (no host sync here).
 
 A registered loss is a pure function `fn(inp: LossInputs, *, <its settings>) -> TokenLoss`;
@@ -224,13 +225,18 @@ def dapo_loss(
 
 
 @register_policy_loss("importance_sampling")
-def importance_sampling_loss(inp: LossInputs) -> TokenLoss:
-    """Unclipped importance-sampled policy gradient.
+def importance_sampling_loss(inp: LossInputs, *, is_ratio_cap: float | None = None) -> TokenLoss:
+    """Importance-sampled policy gradient, unclipped unless `is_ratio_cap` c is set.
 
-    loss = −r·A   (r only log-capped at ±20)
+    loss = −min(r, c)·A   (c = ∞ by default; r only log-capped at ±20); a token with r > c has no gradient
     """
     ratio = inp.ratio
-    return TokenLoss(-ratio * inp.advantages, ratio)
+    if is_ratio_cap is None:
+        return TokenLoss(-ratio * inp.advantages, ratio)
+    if not is_ratio_cap >= 1:
+        raise ConfigError(f"is_ratio_cap={is_ratio_cap} must be >= 1 (a cap below 1 clips the on-policy ratio r = 1); "
+                          "use None to disable")
+    return TokenLoss(-ratio.clamp(max=is_ratio_cap) * inp.advantages, ratio, ratio > is_ratio_cap)
 
 
 @register_policy_loss("reinforce")
@@ -333,11 +339,15 @@ class _Correction:
 def _train_inference_correction(
     old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, tis: TISConfig
 ) -> _Correction:
-    """w = clip(exp(π_old − μ), 0, cap) per token or as the sequence geometric mean; IcePop and seq-mask filters."""
+    """w = clip(exp(π_old − μ), min_weight or 0, cap) per token or as the sequence geometric mean; IcePop and
+    seq-mask filters."""
     log_rho = torch.where(mask, old_logprobs - rollout_logprobs, 0.0).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)
     seq_log_rho_B = log_rho.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
     raw = torch.exp(log_rho if tis.level == "token" else seq_log_rho_B.expand_as(log_rho))
-    weight = raw.clamp(max=tis.cap)
+    weight = raw.clamp(min=tis.min_weight, max=tis.cap)
+    clipped = raw > tis.cap
+    if tis.min_weight is not None:
+        clipped = clipped | (raw < tis.min_weight)
 
     keep = mask
     icepop_out = torch.zeros_like(mask)
@@ -354,11 +364,14 @@ def _train_inference_correction(
     seq_out = mask & seq_out_B
     keep = keep & ~seq_out
 
+    trained_B = mask.any(-1, keepdim=True)
     metrics = {
         "tis_weight_mean": _masked_mean(weight, mask),
-        "tis_clipfrac": _masked_mean(raw > tis.cap, mask),
+        "tis_clipfrac": _masked_mean(clipped, mask),
         "icepop_maskfrac": _masked_mean(icepop_out, mask),
         "tis_seq_maskfrac": _masked_mean(seq_out, mask),
+        # exp(mean_t(π_old − μ)) per sequence, averaged over the sequences with trained tokens.
+        "tis_seq_ratio": _masked_mean(seq_rho_B, trained_B),
     }
     return _Correction(weight.detach(), keep, metrics)
 
@@ -393,15 +406,17 @@ def compute_policy_loss(
     kl_beta: float = 0.0,
     kl_estimator: str = "k3",
     tis: TISConfig | None = None,
+    entropy_coef: float = 0.0,
     **settings,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss `name` over `(B, T)` tensors; returns (scalar loss, detached metric tensors).
 
-    loss = agg(pg_t · w_t · keep_t) + kl_beta · agg(KL_t)
+    loss = agg(pg_t · w_t · keep_t) + kl_beta · agg(KL_t) − entropy_coef · agg(H_t)
     where pg_t is `POLICY_LOSSES[name].fn`, w_t the TIS weight and keep_t the IcePop/seq-mask
-    filter (both 1 without `tis`), and agg is `LOSS_AGG_MODES[loss_agg_mode].reduce` with the same
-    normaliser for both terms. TIS corrects the policy-gradient term only; the KL term
-    uses the plain mask.
+    filter (both 1 without `tis`), H_t the per-token `entropy`, and agg is
+    `LOSS_AGG_MODES[loss_agg_mode].reduce` with the same normaliser for every term. TIS corrects
+    the policy-gradient term only; the KL and entropy terms use the plain mask. With
+    `entropy_coef` = 0 the entropy is a metric only and the loss is bit-identical to leaving it out.
 
     `advantages` is `(B,)` (one per sequence) or `(B, T)`. `mask` is bool or float
     (nonzero = trained). `**settings` are the loss's own settings (its keyword-only
@@ -426,6 +441,9 @@ def compute_policy_loss(
         raise ConfigError(f"policy_loss {name!r} takes no settings {sorted(extra)}; it takes {sorted(loss.settings)}")
     if kl_beta > 0 and ref_logprobs is None:
         raise ConfigError(f"kl_beta={kl_beta} needs ref_logprobs; pass them or set kl_beta=0")
+    if entropy_coef != 0 and entropy is None:
+        raise ConfigError(f"entropy_coef={entropy_coef} needs the per-token entropy, with π's gradient "
+                          "(Trainer.forward_backward(with_entropy=True) puts it in mb.extras['entropy'])")
     if tis is not None and rollout_logprobs is None:
         raise ConfigError("tis is set but rollout_logprobs is None; the correction needs the sampler's logprobs")
     if logprobs.dim() != 2 or logprobs.shape != mask.shape or old_logprobs.shape != mask.shape:
@@ -478,10 +496,18 @@ def compute_policy_loss(
     metrics["pg_clipfrac"] = _masked_mean(out.clipped, mask) if out.clipped is not None else no_clip
     if out.dual_clipped is not None:
         metrics["dual_clipfrac"] = _masked_mean(out.dual_clipped, mask)
-    metrics["ppo_kl"] = _masked_mean(pi_old - pi, mask)
+    # k3 estimate of KL(π_old ‖ π): exp(π − π_old) − (π − π_old) − 1, never negative (k1 is kept for comparison).
+    metrics["ppo_kl"] = _masked_mean(torch.exp(inp.log_ratio) - inp.log_ratio - 1.0, mask)
+    metrics["ppo_kl_k1"] = _masked_mean(pi_old - pi, mask)
     metrics["ratio_mean"] = _masked_mean(ratio, mask)
     metrics["ratio_min"] = torch.where(mask, ratio, torch.inf).amin()
     metrics["ratio_max"] = torch.where(mask, ratio, -torch.inf).amax()
-    if entropy is not None:
-        metrics["entropy"] = _masked_mean(_sanitise(entropy, mask), mask)
-    return pg_loss + kl_loss, metrics
+    if entropy is None:
+        return pg_loss + kl_loss, metrics
+    entropy_BT = _sanitise(entropy, mask)
+    metrics["entropy"] = _masked_mean(entropy_BT, mask)
+    if entropy_coef == 0:  # no term at all, not a zero one: the loss stays bit-identical
+        return pg_loss + kl_loss, metrics
+    # The entropy bonus (step 4), aggregated like the pg term; it moves π only if `entropy` carries π's gradient.
+    entropy_bonus = agg.reduce(entropy_BT, mask, num_tokens, num_seqs, seq_token_sum_norm)
+    return pg_loss + kl_loss - entropy_coef * entropy_bonus, metrics

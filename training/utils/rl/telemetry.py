@@ -12,13 +12,17 @@ reported (a request that spans a weight sync has tokens of two versions).
 - `weight_sync_time`: pushing the weights to the deployment;
 - `trainer_idle_frac`: 1 − train_time / step_time;
 - `samples_per_s`: trained runs / step_time; `train_tokens_per_s`: trained tokens / train_time.
+
+`rollout/inference_drift_k1|k3`: how far the distribution the engine sampled from (`logprobs`, μ)
+is from its raw one (`raw_logprobs`, before temperature and top-p/top-k; ρ), on the trained tokens
+of the runs that report raw logprobs.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from training.utils.rl.rollout.types import PromptGroup
+from training.utils.rl.rollout.types import PromptGroup, RolloutRun
 
 
 def version_offset_metrics(groups: list[PromptGroup], trained_against_version: int) -> dict[str, float]:
@@ -52,4 +56,24 @@ def perf_metrics(
         "perf/trainer_idle_frac": max(0.0, 1.0 - train_time / step_time) if step_time > 0 else 0.0,
         "perf/samples_per_s": samples / step_time if step_time > 0 else 0.0,
         "perf/train_tokens_per_s": tokens / train_time if train_time > 0 else 0.0,
+    }
+
+
+def inference_drift_metrics(runs: list[RolloutRun]) -> dict[str, float]:
+    """KL(μ‖ρ) estimated from the sampled tokens, μ = `logprobs` (the sampling distribution), ρ = `raw_logprobs`
+    (the engine's before any processing), averaged over every mask-1 token of the segments that carry both:
+    k1 = mean(log μ − log ρ) (unbiased, may go negative on few tokens), k3 = mean(ρ/μ − 1 − log(ρ/μ))
+    (unbiased, never negative). Both are 0 when nothing processes the logits (temperature 1, no top-p/top-k).
+    Omitted, not 0, when no run reports raw logprobs."""
+    diffs = [
+        lp - raw
+        for run in runs for seg in run.segments if seg.raw_logprobs is not None
+        for lp, raw, m in zip(seg.logprobs, seg.raw_logprobs, seg.loss_mask) if m == 1
+    ]
+    if not diffs:
+        return {}
+    d = np.asarray(diffs, dtype=np.float64)  # log μ − log ρ = −log(ρ/μ)
+    return {
+        "rollout/inference_drift_k1": float(np.mean(d)),
+        "rollout/inference_drift_k3": float(np.mean(np.expm1(-d) + d)),
     }

@@ -1,9 +1,13 @@
 """One optimizer batch on the trainer side, the same in both recipes.
 
 1. Reference logprobs (when kl_beta > 0) and the anchor π_old with entropy, no grad
-   (`anchor_and_reference`).
+   (`anchor_and_reference`); then, when rewards are shaped on the trainer (`kl_placement=
+   "reward"`, `overlong_penalty`), each chunk's advantages again from the shaped rewards
+   (`groups.reshape_advantages`).
 2. The PPO inner loop: `ppo_epochs` × `ppo_minibatches` optimizer steps with the configured
    policy loss (`ppo_update`).
+3. With `kl_target`, the adaptive KL controller sets β for the next batch (`adapt_kl_beta`);
+   β lives in the run's config, which every rank updates alike in `finish()`.
 
 `BatchUpdate` runs both over a batch that arrives in chunks: `add(datums)` per chunk, then
 `finish()`. With one PPO epoch and one minibatch and several chunks, each chunk's gradient
@@ -21,7 +25,8 @@ import numpy as np
 import torch
 
 from training.utils.config import RLConfig
-from training.utils.rl.losses import LOSS_AGG_MODES, compute_policy_loss
+from training.utils.rl.groups import count_runs, reshape_advantages
+from training.utils.rl.losses import KL_ESTIMATORS, LOSS_AGG_MODES, compute_policy_loss
 from training.utils.trainer import Datum, MicroBatch, Reference, Trainer
 
 GAP = "rollout/sampler_trainer_logprob_diff"
@@ -36,12 +41,24 @@ def anchor_is_current_policy(cfg: RLConfig) -> bool:
     return cfg.anchor_logp == "old_policy" and cfg.ppo_epochs == 1 and cfg.ppo_minibatches == 1
 
 
+def shapes_rewards(cfg: RLConfig) -> bool:
+    """Rewards are shaped here, before the advantages are recomputed: KL in the reward, or the overlong penalty."""
+    return cfg.kl_placement == "reward" or cfg.overlong_penalty is not None
+
+
+def entropy_in_training_pass(cfg: RLConfig, extras: dict[str, list[torch.Tensor]]) -> bool:
+    """The training pass computes the entropy: with its gradient for the bonus, or as the metric no anchor pass gave."""
+    return cfg.entropy_coef > 0 or "entropy" not in extras
+
+
 def make_loss_fn(cfg: RLConfig, *, normalised: bool = True):
     """A `Trainer.forward_backward` loss over one micro-batch: normalised by the whole minibatch, or
     (`normalised=False`) with normalisers of 1, a token or sequence sum, so that chunks add up."""
     settings = cfg.policy_loss_settings()
     # Dr. GRPO's constant normaliser: the longest response the sampler may produce.
     seq_token_sum_norm = float(cfg.sampling.max_tokens)
+    # With the KL in the reward it already shaped the advantages; the loss has no KL term (ref_kl is still measured).
+    kl_beta = cfg.kl_beta if cfg.kl_placement == "loss" else 0.0
 
     def loss_fn(logprobs: torch.Tensor, mb: MicroBatch):
         old_logprobs = mb.extras.get("old_logprobs")
@@ -60,9 +77,10 @@ def make_loss_fn(cfg: RLConfig, *, normalised: bool = True):
             num_tokens=mb.num_tokens_total if normalised else 1.0,
             num_seqs=mb.num_seqs_total if normalised else 1,
             seq_token_sum_norm=seq_token_sum_norm,
-            kl_beta=cfg.kl_beta,
+            kl_beta=kl_beta,
             kl_estimator=cfg.kl_estimator,
             tis=cfg.tis,
+            entropy_coef=cfg.entropy_coef,
             **settings,
         )
         # On a batch's first optimizer step π is the pre-update policy, so this is |π_old − μ|.
@@ -103,16 +121,25 @@ def anchor_and_reference(
 
     Also returns `GAP` over trained tokens. When the anchor is the current policy
     (`anchor_is_current_policy`) the training pass supplies π_old, entropy and that gap
-    itself, and only the reference runs here.
+    itself, and only the reference runs here (unless the KL goes in the reward, which needs
+    π_old before the training pass).
     """
+    extras, gap, _ = pre_update_logprobs(policy, reference, datums_D, cfg)
+    return extras, gap
+
+
+def pre_update_logprobs(
+    policy: Trainer, reference: Reference | None, datums_D: list[Datum], cfg: RLConfig
+) -> tuple[dict[str, list[torch.Tensor]], dict[str, float], list[torch.Tensor] | None]:
+    """`anchor_and_reference`, and the pre-update policy's logprobs per datum (None when no anchor pass ran)."""
     temperature = cfg.sampling.temperature
     extras: dict[str, list[torch.Tensor]] = {}
     if cfg.kl_beta > 0:
         if reference is None:
             raise ValueError("kl_beta > 0 needs a reference trainer")
         extras["ref_logprobs"] = reference.logprobs(datums_D, temperature)
-    if anchor_is_current_policy(cfg):
-        return extras, {}
+    if anchor_is_current_policy(cfg) and cfg.kl_placement == "loss":
+        return extras, {}, None
     trainer_lp_D, entropy_D = policy.logprobs(datums_D, temperature, with_entropy=True)
     behaviour_D = [torch.tensor(d.behaviour_logprobs, dtype=torch.float32) for d in datums_D]
     extras["old_logprobs"] = trainer_lp_D if cfg.anchor_logp == "old_policy" else behaviour_D
@@ -120,7 +147,21 @@ def anchor_and_reference(
     gap_sum = sum(float(torch.where(torch.tensor(d.weights) > 0, (lp - mu).abs(), 0.0).sum())
                   for d, lp, mu in zip(datums_D, trainer_lp_D, behaviour_D))
     n_tokens = sum(sum(d.weights) for d in datums_D)
-    return extras, {GAP: gap_sum / max(n_tokens, 1.0)}
+    return extras, {GAP: gap_sum / max(n_tokens, 1.0)}, trainer_lp_D
+
+
+def kl_sums(
+    old_logprobs_D: list[torch.Tensor], ref_logprobs_D: list[torch.Tensor], datums_D: list[Datum], estimator: str
+) -> list[float]:
+    """Per datum, Σ over its trained tokens of the `estimator` KL between the pre-update policy and π_ref."""
+    kl_fn = KL_ESTIMATORS[estimator]
+    return [float(torch.where(torch.tensor(d.weights) > 0, kl_fn(old, ref), 0.0).sum())
+            for d, old, ref in zip(datums_D, old_logprobs_D, ref_logprobs_D, strict=True)]
+
+
+def adapt_kl_beta(beta: float, kl: float, target: float, n_steps: int, horizon: int) -> float:
+    """The adaptive KL controller (verl/OpenRLHF): β·(1 + clip(KL/target − 1, −0.2, 0.2)·n_steps/horizon)."""
+    return beta * (1.0 + min(max(kl / target - 1.0, -0.2), 0.2) * n_steps / horizon)
 
 
 def ppo_update(
@@ -141,7 +182,7 @@ def ppo_update(
             minibatch_extras = {k: [v[i] for i in indices] for k, v in extras.items()}
             metrics = policy.forward_backward(
                 minibatch, loss_fn, temperature=cfg.sampling.temperature, extras=minibatch_extras,
-                with_entropy="entropy" not in extras,
+                with_entropy=entropy_in_training_pass(cfg, extras), entropy_grad=cfg.entropy_coef != 0,
             )
             per_step.append((metrics | policy.optim_step(), 1.0))
     # Without a separate anchor pass, the first step's training pass measured the gap.
@@ -174,6 +215,10 @@ class BatchUpdate:
     """(forward_backward metrics, trained tokens) per chunk, when accumulating."""
     gap_sum: float = 0.0
     gap_tokens: float = 0.0
+    kl_penalty_R: list[float] = field(default_factory=list)
+    """β·KL subtracted from each run's reward so far (kl_placement="reward")."""
+    overlong_R: list[float] = field(default_factory=list)
+    """The overlong shaping added to each run's reward so far."""
 
     @property
     def accumulates(self) -> bool:
@@ -182,8 +227,11 @@ class BatchUpdate:
         return self.planned_chunks > 1 and self.cfg.ppo_epochs == 1 and self.cfg.ppo_minibatches == 1
 
     def add(self, datums_D: list[Datum]) -> None:
-        """A chunk: no-grad logprobs with the pre-update weights, then (when accumulating) its gradient."""
-        extras, gap = anchor_and_reference(self.policy, self.reference, datums_D, self.cfg)
+        """A chunk: no-grad logprobs with the pre-update weights, the advantages from shaped rewards (when
+        shaping), then (when accumulating) its gradient."""
+        extras, gap, old_logprobs_D = pre_update_logprobs(self.policy, self.reference, datums_D, self.cfg)
+        if shapes_rewards(self.cfg):
+            datums_D = self.reshape(datums_D, old_logprobs_D, extras.get("ref_logprobs"))
         tokens = float(sum(sum(d.weights) for d in datums_D))
         self.datums_D += datums_D
         for name, values in extras.items():
@@ -192,15 +240,48 @@ class BatchUpdate:
             self.gap_sum += gap[GAP] * tokens
             self.gap_tokens += tokens
         if self.accumulates:
-            # Without an anchor pass (π_old = the pre-update policy) the training pass computes the entropy.
+            # The training pass computes the entropy without an anchor pass, and for the entropy bonus's gradient.
             metrics = self.policy.forward_backward(
                 datums_D, make_loss_fn(self.cfg, normalised=False), temperature=self.cfg.sampling.temperature,
-                extras=extras, with_entropy="entropy" not in extras,
+                extras=extras, with_entropy=entropy_in_training_pass(self.cfg, extras),
+                entropy_grad=self.cfg.entropy_coef != 0,
             )
             self.chunk_metrics.append((metrics, tokens))
 
+    def reshape(self, datums_D: list[Datum], old_logprobs_D: list[torch.Tensor] | None,
+                ref_logprobs_D: list[torch.Tensor] | None) -> list[Datum]:
+        """The chunk's datums with advantages from shaped rewards (a chunk holds whole groups)."""
+        cfg = self.cfg
+        kl_D = None
+        if cfg.kl_placement == "reward":
+            kl_D = kl_sums(old_logprobs_D, ref_logprobs_D, datums_D, cfg.kl_estimator)
+        overlong = None
+        if cfg.overlong_penalty is not None:
+            overlong = (cfg.overlong_penalty.max_length or cfg.sampling.max_tokens, cfg.overlong_penalty.buffer)
+        reshaped = reshape_advantages(datums_D, cfg.advantage_estimator, kl_D=kl_D, kl_beta=cfg.kl_beta,
+                                      overlong=overlong)
+        self.kl_penalty_R += reshaped.kl_penalty_R
+        self.overlong_R += reshaped.overlong_R
+        return reshaped.datums_D
+
     def finish(self) -> dict[str, float]:
-        """The optimizer step(s): one on the accumulated gradient, or the full PPO inner loop."""
+        """The optimizer step(s), the shaping metrics, then (with `kl_target`) β for the next batch."""
+        metrics = self.optimizer_steps()
+        if self.cfg.kl_beta > 0:
+            metrics["train/kl_beta"] = self.cfg.kl_beta  # the β this batch used
+        if self.kl_penalty_R:
+            metrics["train/kl_reward_penalty_mean"] = float(np.mean(self.kl_penalty_R))
+        if self.overlong_R:
+            metrics["train/overlong_penalty_mean"] = float(np.mean(self.overlong_R))
+        kl = metrics.get("train/ref_kl")
+        if self.cfg.kl_target is not None and kl is not None and np.isfinite(kl):
+            # Every rank runs this on the same gathered metrics, so each one's config gets the same β.
+            self.cfg.kl_beta = adapt_kl_beta(self.cfg.kl_beta, kl, self.cfg.kl_target, count_runs(self.datums_D),
+                                             self.cfg.kl_horizon)
+        return metrics
+
+    def optimizer_steps(self) -> dict[str, float]:
+        """One optimizer step on the accumulated gradient, or the full PPO inner loop."""
         gap = {GAP: self.gap_sum / self.gap_tokens} if self.gap_tokens else {}
         if not self.accumulates:
             return ppo_update(self.policy, self.datums_D, self.extras, self.cfg, self.rng) | gap

@@ -5,9 +5,10 @@ A recipe is a `Config` and a loop, `async def loop(run: TrainingRun, ...)`, that
 `recipe_main(loop, Config)` makes the recipe's `main()`, the same for both recipes:
 
 0. seeds; trainers (policy, reference); resume from the newest checkpoint, refused if the
-   settings it was written under changed (`resume.py`); the trainer thread; under torchrun
-   the other ranks only follow rank 0's trainer calls; the deployment, the ledger, the agent
-   shim, the rollout setup and the user's rollout function; evaluation before the first step;
+   settings it was written under changed (`resume.py`), or else a warm start (weights only);
+   the trainer thread; under torchrun the other ranks only follow rank 0's trainer calls; the
+   deployment, the ledger, the agent shim, the rollout setup and the user's rollout function;
+   evaluation before the first step;
 1. the recipe's loop; after each step: evaluation, ledger, run health, a stop when too many
    optimizer steps were skipped, a checkpoint;
 2. a stop with the reasons when no group was trained at all; else the last checkpoint, weight
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,6 +49,7 @@ from training.utils.rl.wiring import (
     restore,
     setup_trainers,
     start_agent_shim,
+    warm_start,
 )
 from training.utils.rl.worker import TrainerWorker
 from training.utils.trainer import Reference, Trainer
@@ -145,6 +147,8 @@ class TrainingRun:
 
     async def save_checkpoint(self) -> int:
         progress = {"settings": self.settings, **self.resume_state()}
+        if self.cfg.kl_target is not None:
+            progress["kl_beta"] = self.cfg.kl_beta  # the adaptive KL controller's β (train_step.adapt_kl_beta)
         return await checkpoint(self.cfg, self.worker, self.policy, self.rng, self.step, progress, self.logger)
 
     async def finish(self) -> None:
@@ -196,7 +200,7 @@ def recipe_main(loop: Loop, config_class: type[RLConfig]) -> Callable[..., dict[
         cfg: RLConfig,
         *,
         rollout_fn_factory: Callable[[RolloutSetup], Callable],
-        rows: list[dict[str, Any]] | None = None,
+        rows: Iterable[dict[str, Any]] | None = None,
         dynamic_filter_fn: Callable[[PromptGroup], bool] | None = None,
         evaluation_fn: Callable | None = None,
         rollout_extras: dict[str, Any] | None = None,
@@ -241,11 +245,15 @@ def run_abandoning_stragglers(main: Coroutine[Any, Any, T], *, grace_s: float | 
 
 async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], rollout_fn_factory, *,
                      evaluation_fn, rollout_extras, **loop_kwargs) -> dict[str, Any]:
+    cfg = cfg.model_copy()  # the run's own: with kl_target its kl_beta is the adapted β, the caller's stays as given
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     total_steps = cfg.planned_steps(len(rows))
     policy, reference, tokenizer = setup_trainers(cfg, total_steps)
     progress = restore(cfg, policy, rng)
+    if cfg.kl_target is not None and "kl_beta" in progress:
+        cfg.kl_beta = progress["kl_beta"]  # the adaptive controller goes on from the β it had reached
+    warm_start(cfg, policy, progress)  # a fresh run only: a resumed one keeps its checkpoint's weights
     settings = run_settings(cfg, rows, recipe=loop.__module__.rsplit(".", 1)[-1])
     check_resumable(progress, settings)
     # All trainer work goes through the worker; under torchrun it runs on every rank.

@@ -9,32 +9,34 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from training.utils.checkpoint import load_latest_verified, save_checkpoint
+from training.utils.checkpoint import load_latest_verified, load_weights, save_checkpoint
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment, EmbeddedDeployment, start_deployment
 from training.utils.errors import ConfigError, EvaluationTimeoutError
 from training.utils.logging import RunLogger
+from training.utils.lora import load_adapter
 from training.utils.model import default_device, load_model_and_tokenizer
 from training.utils.rl.agent import AgentShim
-from training.utils.rl.dataset import read_jsonl
+from training.utils.rl.dataset import as_rows, read_rows_file
 from training.utils.rl.rollout.types import RolloutSetup
 from training.utils.trainer import Reference, Trainer, weight_dtype
 
 log = logging.getLogger("training")
 
 
-def read_rows(cfg: RLConfig, rows: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """`main()`'s rows, else the rows of `cfg.dataset_path`."""
+def read_rows(cfg: RLConfig, rows: Iterable[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """`main()`'s rows (a list, a `datasets.Dataset` or any sequence of dicts), else the rows of `cfg.dataset_path`
+    (`.jsonl`, `.json` or `.parquet`), as a checked list."""
     if rows is not None:
-        return rows
+        return as_rows(rows)
     if cfg.dataset_path is None:
         raise ConfigError("main() got no rows and cfg.dataset_path is None; pass rows=... or set dataset_path")
-    return read_jsonl(cfg.dataset_path)
+    return as_rows(read_rows_file(cfg.dataset_path))
 
 
 def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference | None, Any]:
@@ -120,6 +122,24 @@ def restore(cfg: RLConfig, policy: Trainer, rng: np.random.Generator) -> dict[st
     path, progress = found
     log.info("resumed from %s at step %d", path, progress["step"])
     return progress
+
+
+def warm_start(cfg: RLConfig, policy: Trainer, progress: dict[str, Any]) -> None:
+    """Load `warm_start_from_checkpoint`'s weights or `warm_start_from_adapter`'s adapter into the policy of a
+    fresh run; the optimizer, schedule, step and data cursor stay fresh. A resumed run (`progress` from
+    `restore`) keeps its checkpoint's weights instead. Collective under torchrun."""
+    source = cfg.warm_start_from_checkpoint or cfg.warm_start_from_adapter
+    if source is None:
+        return
+    if progress:
+        log.info("resumed at step %d; the warm start from %s applies only to a fresh run", progress.get("step", 0),
+                 source)
+    elif cfg.warm_start_from_checkpoint is not None:
+        load_weights(source, policy=policy)
+        log.info("warm start: the policy's weights from checkpoint %s; fresh optimizer, step 0", source)
+    else:
+        load_adapter(policy.model, source, rank=cfg.trainer.lora_rank, alpha=cfg.trainer.lora_alpha)
+        log.info("warm start: the policy's LoRA adapter from %s; fresh optimizer, step 0", source)
 
 
 async def checkpoint(cfg: RLConfig, worker, policy: Trainer, rng: np.random.Generator, step: int,

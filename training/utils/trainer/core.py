@@ -346,6 +346,7 @@ class Trainer:
         temperature: float = 1.0,
         extras: dict[str, list[Tensor | list[float]]] | None = None,
         with_entropy: bool = False,
+        entropy_grad: bool = False,
     ) -> dict[str, float]:
         """Accumulate the gradient of `loss_fn` summed over length-bucketed micro-batches.
 
@@ -354,7 +355,9 @@ class Trainer:
         losses sum to the minibatch loss. Logprobs are computed only where `mb.weights` is
         non-zero and are 0 elsewhere (context and padding): no loss can use the rest.
         Gradients accumulate across calls until `optim_step()`. With `with_entropy`, the
-        per-token entropy of the same distribution (detached) is in `mb.extras["entropy"]`.
+        per-token entropy of the same distribution is in `mb.extras["entropy"]`: detached, or with
+        its gradient when `entropy_grad` (an entropy bonus; it keeps the entropy's graph alive until
+        the micro-batch's backward, so it costs memory only when asked for).
 
         Returns "loss" (the summed loss) and each metric of `loss_fn`: names ending in
         "_min"/"_max" take the min/max over micro-batches, others the mean weighted by each
@@ -385,7 +388,7 @@ class Trainer:
                 continue
             logprobs_BT, entropy_BT = self._model_forward(batch, temperature, with_entropy=with_entropy)
             if with_entropy:
-                batch.extras["entropy"] = entropy_BT.detach()
+                batch.extras["entropy"] = entropy_BT if entropy_grad else entropy_BT.detach()
             micro = MicroBatch(
                 target_ids=batch.target_ids,
                 weights=batch.weights,

@@ -31,7 +31,7 @@ from training.utils.rl.async_rl.errors import CircuitBreaker, RolloutStallError
 from training.utils.rl.async_rl.gate import OffPolicyGate
 from training.utils.rl.dataset import DurableRowSource, RowItem
 from training.utils.rl.groups import SettledRow
-from training.utils.rl.rollout.invoke import NONE_RETURNED, DrawResult, run_draw
+from training.utils.rl.rollout.invoke import NONE_RETURNED, DrawResult, draw_context, run_draw
 from training.utils.rl.rollout.types import PromptGroup
 
 log = logging.getLogger("training.async_rl")
@@ -40,14 +40,22 @@ DrawFn = Callable[[RowItem, int, int], Awaitable[DrawResult]]
 """`draw(item, sample_index, submit_version)`: one rollout_fn call, a run or a counted drop."""
 GroupFn = Callable[[SettledRow], tuple[PromptGroup | None, str]]
 """`build(settled)`: the row's group, or None and the reason it was rejected (e.g. "filtered")."""
+GAUGE_MEANS = {
+    "async/in_flight_calls_mean": "in_flight_calls",
+    "async/admission_capacity_samples_mean": "admission_capacity",
+    "async/staleness_capacity_samples_mean": "staleness_capacity",
+    "async/concurrency_capacity_samples_mean": "concurrency_capacity",
+}
+"""Per-step time-weighted means of gate gauges (`take_gauge_means`): step metric → `GateSnapshot` field."""
 
 
-def make_draw_fn(rollout_fn, context_keys: tuple[str, ...], *, vocab_size: int | None, timeout_s: float) -> DrawFn:
+def make_draw_fn(rollout_fn, context_keys: tuple[str, ...], *, rows_per_epoch: int, vocab_size: int | None,
+                 timeout_s: float) -> DrawFn:
     """Bind the user's rollout function to the context of one draw (README: What you write)."""
 
     async def draw(item: RowItem, sample_index: int, submit_version: int) -> DrawResult:
-        context = dict(cursor_index=item.cursor_index, row_index=item.row_index, epoch=item.epoch,
-                       sample_index=sample_index, submit_version=submit_version, evaluation=False)
+        context = draw_context(item, rows_per_epoch=rows_per_epoch, sample_index=sample_index,
+                               submit_version=submit_version)
         return await run_draw(rollout_fn, item.row, context, context_keys, row_id=item.row_id,
                               draw_index=sample_index, vocab_size=vocab_size, timeout_s=timeout_s)
 
@@ -94,6 +102,7 @@ class RolloutProducer:
         max_call_wait_s: float = 3600.0,
         on_gauges: Callable[[dict[str, float]], None] | None = None,
         gauge_interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.source = source
         self.gate = gate
@@ -117,9 +126,13 @@ class RolloutProducer:
         self._gauge_interval_s = gauge_interval_s
         self._last_gauges: dict[str, float] | None = None
         self._last_gauge_time = -float("inf")
-        self._started = time.monotonic()
-        self._in_flight_area = 0.0
-        self._in_flight_since = time.monotonic()
+        self._clock = clock
+        """Seconds for timings and gauge means (`time.monotonic`; tests pass a scripted one)."""
+        self._started = clock()
+        # The concurrency capacity only exists with a cap C.
+        self._gauge_areas = {name: 0.0 for name, field_name in GAUGE_MEANS.items()
+                             if field_name != "concurrency_capacity" or gate.C is not None}
+        self._gauges_since = clock()
         self.published_accepted_samples = gate.accepted_samples
         """Accepted samples of published batches: the gate's offset when the run resumes."""
         coordinator.on_publish = self._on_publish
@@ -195,6 +208,7 @@ class RolloutProducer:
         return events
 
     def _on_publish(self, batch: Batch) -> None:
+        self._track_gauges()
         self.gate.publish(batch.id)
         self.published_accepted_samples += len(batch.rows) * self.gate.G
         for row in batch.rows:
@@ -209,7 +223,7 @@ class RolloutProducer:
             item = self.source.next()
             if item is None:
                 break
-            self._track_in_flight()
+            self._track_gauges()
             self.gate.admit_row()
             self.counters.rows_submitted += 1
             self._start_attempt(item, attempt=1)
@@ -220,7 +234,7 @@ class RolloutProducer:
         """Start all G calls of one attempt at a row; a retry carries the earlier attempts' drop counts."""
         self._seq += 1
         version = self.coordinator.weights_version
-        pending = _PendingRow(item, self._seq, attempt, version, time.monotonic(), drops=Counter(drops or {}))
+        pending = _PendingRow(item, self._seq, attempt, version, self._clock(), drops=Counter(drops or {}))
         self._pending[self._seq] = pending
         for sample_index in range(self.gate.G):
             task = asyncio.ensure_future(self.draw(item, sample_index, version))
@@ -232,7 +246,7 @@ class RolloutProducer:
 
     def _retire(self, task: asyncio.Task) -> None:
         seq, sample_index = self._tasks.pop(task)
-        self._track_in_flight()
+        self._track_gauges()
         self.gate.call_finished()
         pending = self._pending[seq]
         if task.cancelled():
@@ -265,7 +279,7 @@ class RolloutProducer:
         if len(runs) < self.min_group_size:
             if pending.attempt <= self.max_retries:
                 self.counters.incomplete_group_retries += 1
-                self._track_in_flight()
+                self._track_gauges()
                 self.gate.retry_row()
                 self._start_attempt(item, pending.attempt + 1, pending.drops)
                 return
@@ -278,11 +292,13 @@ class RolloutProducer:
         offset = self.coordinator.fill_batch_id - 1 - pending.submit_version
         if self.max_sample_staleness is not None and offset > self.max_sample_staleness:
             return self._reject(settled, item, "stale")
+        self._track_gauges()
         self.gate.accept_row()
         self.counters.rows_accepted += 1
         self.coordinator.add_group(AcceptedRow(group, item, settled))
 
     def _reject(self, settled: SettledRow, item: RowItem, reason: str) -> None:
+        self._track_gauges()
         self.gate.reject_row()
         self.counters.rows_rejected += 1
         self.source.mark_durable(item.cursor_index)
@@ -294,18 +310,22 @@ class RolloutProducer:
 
     # ---- telemetry ----------------------------------------------------------------------
 
-    def _track_in_flight(self) -> None:
-        """Integrate in-flight calls over time (called before every change)."""
-        now = time.monotonic()
-        self._in_flight_area += self.gate.in_flight_calls * (now - self._in_flight_since)
-        self._in_flight_since = now
+    def _track_gauges(self) -> None:
+        """Integrate the gate's gauges (`GAUGE_MEANS`) over time; called before every change of the gate."""
+        now = self._clock()
+        snap = self.gate.snapshot()
+        for name in self._gauge_areas:
+            self._gauge_areas[name] += getattr(snap, GAUGE_MEANS[name]) * (now - self._gauges_since)
+        self._gauges_since = now
 
-    def take_in_flight_mean(self, since: float) -> float:
-        """Time-weighted mean of in-flight calls since `since`; restarts the integral."""
-        self._track_in_flight()
-        elapsed = max(time.monotonic() - since, 1e-9)
-        mean, self._in_flight_area = self._in_flight_area / elapsed, 0.0
-        return mean
+    def take_gauge_means(self, since: float) -> dict[str, float]:
+        """Time-weighted means of the gauges in `GAUGE_MEANS` from `since` (the previous call's time, on this
+        producer's clock) to now, the concurrency capacity only with a cap C; restarts the integrals."""
+        self._track_gauges()
+        elapsed = max(self._clock() - since, 1e-9)
+        means = {name: area / elapsed for name, area in self._gauge_areas.items()}
+        self._gauge_areas = dict.fromkeys(self._gauge_areas, 0.0)
+        return means
 
     def gauges(self) -> dict[str, float]:
         snap = self.gate.snapshot()
@@ -334,7 +354,7 @@ class RolloutProducer:
     def _emit_gauges(self, force: bool = False) -> None:
         if self._on_gauges is None:
             return
-        now = time.monotonic()
+        now = self._clock()
         if not force and now - self._last_gauge_time < self._gauge_interval_s:
             return
         gauges = self.gauges()
@@ -361,6 +381,6 @@ class RolloutProducer:
             parts.append(
                 f"{len(self._pending)} rows pending; oldest row {oldest.item.row_id!r} (attempt {oldest.attempt}) has "
                 f"{len(oldest.results)}/{self.gate.G} draws finished, submitted "
-                f"{time.monotonic() - oldest.submitted_at:.0f}s ago"
+                f"{self._clock() - oldest.submitted_at:.0f}s ago"
             )
         return "; ".join(parts)

@@ -23,9 +23,12 @@ import aiohttp
 import openai
 
 from training.utils.errors import ConfigError, RecoverableRolloutError, RolloutCancellationError
+from training.utils.rl.dataset import RowItem
 from training.utils.rl.rollout.types import RolloutRun, validate_run
 
-CONTEXT_KEYS = ("cursor_index", "row_index", "epoch", "sample_index", "submit_version", "evaluation")
+CONTEXT_KEYS = ("cursor_index", "row_index", "epoch", "end_of_epoch", "sample_index", "rollout_idx", "submit_version",
+                "evaluation")
+"""What `draw_context` fills; `rollout_fn` receives the ones it declares (README: What you write)."""
 
 _RETRYABLE_HTTP_STATUS = {408, 429}
 
@@ -33,6 +36,21 @@ NONE_RETURNED = "returned_none"
 """The drop reason of a draw whose rollout_fn returned None."""
 CANCEL_GRACE_S = 10.0
 """How long a call cancelled at its timeout may take to unwind before it counts as ignoring cancellation."""
+
+
+def draw_context(item: RowItem, *, rows_per_epoch: int, sample_index: int, submit_version: int,
+                 evaluation: bool = False) -> dict[str, Any]:
+    """The context of one draw of `item`, every key of `CONTEXT_KEYS`; the one place both recipes and
+    `rollout_evaluation` build it.
+
+    `rollout_idx` is `sample_index` under the name the cookbook also uses. `end_of_epoch` is True for the
+    row its epoch hands out last (`cursor_index % rows_per_epoch == rows_per_epoch - 1`): rows are handed
+    out in cursor order, while `row_index` is the row's place in the dataset, which shuffling permutes.
+    """
+    return dict(cursor_index=item.cursor_index, row_index=item.row_index, epoch=item.epoch,
+                end_of_epoch=item.cursor_index % rows_per_epoch == rows_per_epoch - 1,
+                sample_index=sample_index, rollout_idx=sample_index, submit_version=submit_version,
+                evaluation=evaluation)
 
 
 def context_params(rollout_fn: Callable) -> tuple[str, ...]:

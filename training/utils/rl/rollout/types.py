@@ -34,7 +34,9 @@ class RolloutSample:
     """"stop", "length" (truncated at max_tokens) or "abort"."""
     text: str = ""
     raw_logprobs: list[float] | None = None
-    """Optional logprobs before any correction, kept for diagnostics only."""
+    """Optional: the engine's logprob of each token before any processing (temperature, top-p/top-k), aligned
+    with `tokens` like `logprobs`. Diagnostics only, never in the loss: per step, how far the sampling
+    distribution (`logprobs`) is from the raw one, `rollout/inference_drift_k1|k3` on trained tokens."""
     versions: list[int] | None = None
     """Optional policy version that produced each token (-1 where not sampled)."""
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -156,16 +158,23 @@ def _validate_sample(sample: RolloutSample, where: str, vocab_size: int | None) 
     _check_reward_and_finish(sample, where)
     _check_mask(sample.loss_mask, where)
     _check_tokens(sample.tokens, where, vocab_size)
-    for i, (lp, m) in enumerate(zip(sample.logprobs, sample.loss_mask)):
+    _check_logprobs(sample.logprobs, "logprobs", sample.loss_mask, where)
+    if sample.raw_logprobs is not None:
+        _check_logprobs(sample.raw_logprobs, "raw_logprobs", sample.loss_mask, where)
+
+
+def _check_logprobs(values: list[float], name: str, loss_mask: list[int], where: str) -> None:
+    """Finite and <= 0 wherever the mask trains; other positions are not read."""
+    for i, (lp, m) in enumerate(zip(values, loss_mask)):
         if m == 1 and not (isinstance(lp, (int, float)) and math.isfinite(lp)):
-            raise RolloutContractError(f"{where}: logprobs[{i}] is {lp!r} at a trained position; expected finite")
+            raise RolloutContractError(f"{where}: {name}[{i}] is {lp!r} at a trained position; expected finite")
         if m == 1 and lp > 1e-6:
-            raise RolloutContractError(f"{where}: logprobs[{i}] is {lp}, a log-probability must be <= 0")
+            raise RolloutContractError(f"{where}: {name}[{i}] is {lp}, a log-probability must be <= 0")
 
 
 def _check_lengths(sample: RolloutSample, where: str) -> None:
     n = len(sample.tokens)
-    for name in ("logprobs", "loss_mask", "versions"):
+    for name in ("logprobs", "loss_mask", "raw_logprobs", "versions"):
         values = getattr(sample, name)
         if values is not None and len(values) != n:
             raise RolloutContractError(f"{where}: tokens has {n} entries but {name} has {len(values)}")
