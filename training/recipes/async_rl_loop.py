@@ -50,7 +50,6 @@ from training.utils.rl.async_rl import (
     RolloutProducer,
     make_draw_fn,
 )
-from training.utils.rl.dataset import DurableRowSource
 from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
 from training.utils.rl.rollout.invoke import context_params
 from training.utils.rl.rollout.types import PromptGroup
@@ -169,8 +168,7 @@ main = recipe_main(train_loop, Config)
 def start_producer(run: TrainingRun, dynamic_filter_fn) -> tuple[BatchCoordinator, RolloutProducer]:
     """Wire source, gate, coordinator and producer, continuing from a checkpoint's progress."""
     cfg, rows, progress, step = run.cfg, run.rows, run.progress, run.start_step
-    source = DurableRowSource(rows, seed=cfg.seed, state=progress.get("cursor"),
-                              total_rows=None if cfg.max_steps else cfg.epochs * len(rows))
+    source = run.row_source()
     gate = OffPolicyGate(
         group_size=cfg.completions_per_prompt, groups_per_batch=cfg.prompt_groups_per_step,
         max_offpolicy_versions=cfg.max_head_offpolicy_versions, max_concurrency=cfg.max_concurrency_rollout_sample,

@@ -36,7 +36,7 @@ from pydantic import Field
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment
 from training.utils.errors import CircuitBreakerError
-from training.utils.rl.dataset import DurableRowSource, RowItem
+from training.utils.rl.dataset import RowItem
 from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
 from training.utils.rl.rollout.invoke import context_params, draw_context, gather_or_cancel, run_draw
 from training.utils.rl.rollout.types import PromptGroup
@@ -57,8 +57,7 @@ class Config(RLConfig):
 async def train_loop(run: TrainingRun, *, dynamic_filter_fn=None) -> None:
     """Steps until the planned ones are published; `run` started everything else and finishes it."""
     cfg = run.cfg
-    source = DurableRowSource(run.rows, seed=cfg.seed, state=run.progress.get("cursor"),
-                              total_rows=None if cfg.max_steps else cfg.epochs * len(run.rows))
+    source = run.row_source()
     run.resume_state = lambda: {"weights_version": run.deployment.version, "cursor": source.state_dict()}
     context_keys = context_params(run.rollout_fn)
     empty_batches = 0

@@ -36,6 +36,7 @@ from training.utils.config import RLConfig
 from training.utils.deploy import Deployment
 from training.utils.errors import ConfigError, NothingTrainedError, SkippedStepsError
 from training.utils.logging import RunLogger
+from training.utils.rl.dataset import DurableRowSource
 from training.utils.rl.groups import SettledRow
 from training.utils.rl.health import RunHealth
 from training.utils.rl.resume import check_resumable, run_settings
@@ -99,6 +100,13 @@ class TrainingRun:
     @property
     def start_step(self) -> int:
         return self.progress.get("step", 0)
+
+    def row_source(self) -> DurableRowSource:
+        """The rows in cursor order from where the checkpoint left off: `epochs` passes, or unbounded with
+        `max_steps`."""
+        cfg = self.cfg
+        return DurableRowSource(self.rows, seed=cfg.seed, state=self.progress.get("cursor"),
+                                total_rows=None if cfg.max_steps else cfg.epochs * len(self.rows))
 
     async def publish_weights(self, step: int) -> dict[str, float]:
         """Push the weights to the deployment every `weight_sync_interval` steps and at the last one."""
