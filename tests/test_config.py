@@ -7,7 +7,14 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from training.utils.config import RLConfig, SamplingConfig, TISConfig, TrainerConfig
+from training.utils.config import (
+    AgentShimConfig,
+    DeploymentConfig,
+    RLConfig,
+    SamplingConfig,
+    TISConfig,
+    TrainerConfig,
+)
 from training.utils.rl import wiring
 
 INF, NAN = math.inf, math.nan
@@ -41,6 +48,9 @@ REFUSED = [
     (RLConfig, {"dro_beta": INF}, "dro_beta"),
     (RLConfig, {"trainer": {"learning_rate": INF}}, "trainer.learning_rate"),
     (RLConfig, {"tis": {"seq_mask_low": 2.0, "seq_mask_high": 0.5}}, "seq_mask_low"),
+    (DeploymentConfig, {"weight_sync_timeout_s": INF}, "weight_sync_timeout_s"),
+    (DeploymentConfig, {"connect_timeout_s": INF}, "connect_timeout_s"),
+    (AgentShimConfig, {"request_timeout_s": INF}, "request_timeout_s"),
 ]
 
 

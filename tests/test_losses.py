@@ -10,7 +10,14 @@ from pydantic import ValidationError
 from training.recipes import rl_loop
 from training.utils.config import TISConfig
 from training.utils.errors import ConfigError
-from training.utils.rl.losses import LOSS_AGG_MODES, POLICY_LOSSES, compute_policy_loss, register_policy_loss
+from training.utils.rl.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    LossInputs,
+    TokenLoss,
+    compute_policy_loss,
+    register_policy_loss,
+)
 from training.utils.rl.rollout.types import sample_from_completion
 
 LN = math.log
@@ -616,3 +623,26 @@ def test_entropy_coef_zero_leaves_loss_and_gradient_bit_identical(name):
     with pytest.raises(ConfigError, match="entropy_coef=0.1 needs the per-token entropy"):
         compute_policy_loss(name, logprobs=leaf([[-1.0]]), old_logprobs=t([[-1.0]]), advantages=t([1.0]),
                             mask=t([[1]]), entropy_coef=0.1)
+
+
+def test_a_losss_own_setting_checks_fire_when_the_config_is_built():
+    """Not at the first optimizer step: the config runs the loss once on a one-token input."""
+    with pytest.raises(ValidationError, match="is_ratio_cap=0.5 must be >= 1"):
+        rl_loop.Config(policy_loss="importance_sampling", policy_loss_params={"is_ratio_cap": 0.5})
+    with pytest.raises(ValidationError, match="eps_clip=1.5 / eps_clip_high=1.5: need 0 <= eps_clip < 1"):
+        rl_loop.Config(eps_clip=1.5)
+
+    @register_policy_loss("tempered")
+    def tempered_loss(inp: LossInputs, *, tau: float = 1.0) -> TokenLoss:
+        """loss = −A·π/τ."""
+        if tau <= 0:
+            raise ConfigError(f"tau={tau} must be > 0")
+        return TokenLoss(loss=-inp.advantages * inp.logprobs / tau, ratio=inp.ratio)
+
+    try:
+        assert rl_loop.Config(policy_loss="tempered", policy_loss_params={"tau": 2.0}).policy_loss_settings() == {
+            "tau": 2.0}
+        with pytest.raises(ValidationError, match="tau=0 must be > 0"):
+            rl_loop.Config(policy_loss="tempered", policy_loss_params={"tau": 0})
+    finally:
+        POLICY_LOSSES.pop("tempered")

@@ -147,7 +147,7 @@ class DeploymentConfig(StrictModel):
     """Most sequences the engine decodes at once."""
     max_context_tokens: int | None = Field(None, gt=0)
     """Longest prompt + completion served; defaults to the model's `max_position_embeddings`."""
-    weight_sync_timeout_s: float = Field(600.0, gt=0)
+    weight_sync_timeout_s: FiniteFloat = Field(600.0, gt=0)
     """Upper bound on one weight sync; exceeding it raises instead of hanging."""
     weight_dir: str | None = None
     """Where `disk` sync writes `step_<version>/` directories; an external server must see it at the same path
@@ -156,7 +156,7 @@ class DeploymentConfig(StrictModel):
     """Address of this trainer that the server's GPUs reach for `nccl` sync; None: this host's address."""
     nccl_master_port: int = Field(0, ge=0, le=65535)
     """Port the trainer opens for the `nccl` rendezvous; 0 picks a free one."""
-    connect_timeout_s: float = Field(60.0, gt=0)
+    connect_timeout_s: FiniteFloat = Field(60.0, gt=0)
     """How long start-up waits for an external server's health check (it may still be loading its model)."""
 
     @model_validator(mode="before")
@@ -262,7 +262,7 @@ class AgentShimConfig(StrictModel):
     max_context_tokens: int | None = Field(None, gt=0)
     """Longest prompt + completion of one turn; a prompt with no room left is a 400 `context_length_exceeded`.
     None means the deployment's context length."""
-    request_timeout_s: float = Field(900.0, gt=0)
+    request_timeout_s: FiniteFloat = Field(900.0, gt=0)
     """Upper bound on each wait of one request: its turn in the session's queue, sampling, writing the reply."""
     record_toolless: bool = True
     """Record requests that offer no tools as turns. False treats them as auxiliary calls (titles, summaries):
@@ -439,6 +439,7 @@ class RLConfig(StrictModel):
                              f"{sorted(loss.settings) or 'no settings'}")
         if fields := set(self.policy_loss_params) & set(type(self).model_fields):
             raise ValueError(f"policy_loss_params {sorted(fields)}: set the config field(s) of that name instead")
+        loss.check_settings(self.policy_loss_settings())
         g = self.completions_per_prompt
         if self.min_group_size is not None and self.min_group_size > g:
             raise ValueError(f"min_group_size={self.min_group_size} exceeds completions_per_prompt={g}")

@@ -140,6 +140,13 @@ class PolicyLoss:
     def dual_clip(self) -> bool:
         return "dual_clip_c" in self.settings
 
+    def check_settings(self, settings: dict[str, object]) -> None:
+        """Run the loss once on a one-token input, so that its own checks of `settings` (a ConfigError naming
+        the bad one) fire when the config is built, not at the first optimizer step."""
+        zero = torch.zeros(1, 1)
+        self.fn(LossInputs(logprobs=zero, old_logprobs=zero, advantages=zero, mask=torch.ones(1, 1, dtype=torch.bool),
+                           log_ratio=zero), **settings)
+
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 """Every loss `policy_loss` may name, by name; `register_policy_loss` adds to it."""
