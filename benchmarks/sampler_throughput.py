@@ -68,7 +68,7 @@ async def bench_engine(model, tokenizer, prompts, max_tokens: int, with_sync: bo
             out["in_process_sync"] = await dep.weight_sync.sync(state, 1)
             out["bare_copy"] = bare_copy_seconds(state, next(dep.engine.model.parameters()).dtype)
             with tempfile.TemporaryDirectory() as tmp:
-                out["disk_sync"] = await DiskWeightSync(dep.base_url, tmp).sync(state, 2)
+                out["disk_sync"] = await DiskWeightSync(dep.base_url, tmp, dep.api_key).sync(state, 2)
         return out
     finally:
         await dep.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import socket
 
 import aiohttp
@@ -414,5 +415,33 @@ def test_finish_session_times_out_on_a_stuck_request_and_discard_drops_a_session
             with pytest.raises(openai.AuthenticationError, match="session is closed"):
                 await openai_client(other).chat.completions.create(**OPENAI_BODY)
             assert shim.stats["sessions_open"] == 0 and shim.stats["turns"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_context_overflow_is_worded_as_each_wire_says_it(tiny):
+    """Anthropic's wording is what Claude Code compacts on; OpenAI's code is context_length_exceeded."""
+    async def scenario():
+        async with shim_stack(tiny, max_context_tokens=40) as (shim, spy):
+            session = shim.open_session()
+            long = [{"role": "user", "content": "x" * 60}]
+            client = anthropic_client(session)
+            # count_tokens answers an over-long prompt with its count: that is how a client learns it is too long.
+            counted = await client.messages.count_tokens(model="m", messages=long)
+            assert counted.input_tokens > 40
+            with pytest.raises(anthropic.BadRequestError) as info:
+                await client.messages.create(model="m", max_tokens=8, messages=long)
+            assert info.value.status_code == 400
+            error = info.value.body["error"]
+            assert error["type"] == "invalid_request_error" and info.value.body["type"] == "error"
+            assert error["message"] == f"prompt is too long: {counted.input_tokens} tokens > 40 maximum"
+            assert re.fullmatch(r"prompt is too long: \d+ tokens > \d+ maximum", error["message"])
+            with pytest.raises(openai.BadRequestError) as oinfo:
+                await openai_client(session).chat.completions.create(model="m", messages=long)
+            assert oinfo.value.status_code == 400 and oinfo.value.code == "context_length_exceeded"
+            assert oinfo.value.type == "invalid_request_error" and oinfo.value.param == "messages"
+            assert f"the prompt is {counted.input_tokens} tokens" in oinfo.value.message
+            assert "context limit of 40 tokens" in oinfo.value.message
+            assert session.counters["context_overflows"] == 2 and not spy.calls and session.num_turns == 0
 
     asyncio.run(scenario())

@@ -78,6 +78,11 @@ async def deployed(model, tokenizer, **cfg):
         await dep.close()
 
 
+def authorized(dep) -> aiohttp.ClientSession:
+    """An HTTP session that sends the deployment's secret, as every client of the library does."""
+    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {dep.api_key}"})
+
+
 def greedy_reference(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False)
@@ -459,7 +464,7 @@ def test_in_process_sync_changes_greedy_output_and_version(tiny, tiny_other):
             (before,) = await dep.sampler.sample(prompt, max_tokens=12, temperature=0)
             metrics = await dep.weight_sync.sync(tiny_other.state_dict(), version=1)
             (after,) = await dep.sampler.sample(prompt, max_tokens=12, temperature=0)
-            async with aiohttp.ClientSession() as s, s.get(dep.base_url + "/weights/version") as r:
+            async with authorized(dep) as s, s.get(dep.base_url + "/weights/version") as r:
                 served = await r.json()
             return before, after, metrics, served, dep.version, dep.weight_sync.version
 
@@ -568,7 +573,7 @@ def test_disk_sync_round_trip(tiny, tiny_other):
             (after,) = await dep.sampler.sample(prompt, max_tokens=10, temperature=0)
             await sync.sync(tiny_other.state_dict(), version=3)
             pruned = not (sync.directory / "step_2").exists()
-            async with aiohttp.ClientSession() as s:
+            async with authorized(dep) as s:
                 async with s.post(dep.base_url + "/update_weights_from_disk", json={"model_path": "/nonexistent"}) as r:
                     bad = (r.status, await r.json())
             return before, after, metrics, written, pruned, sync.version, dep.version, bad
@@ -634,7 +639,7 @@ def test_openai_sdk_64_concurrent_requests(tiny):
 
     async def main():
         async with deployed(model, tok, max_batch_requests=64) as dep:
-            client = openai.AsyncOpenAI(base_url=dep.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+            client = openai.AsyncOpenAI(base_url=dep.base_url + "/v1", api_key=dep.api_key, max_retries=0, timeout=60)
             try:
                 prompts = [tok.encode(f"request number {i}") for i in range(64)]
                 responses = await asyncio.gather(
@@ -696,7 +701,7 @@ def test_bad_requests_get_400_naming_the_field(tiny):
     model, tok = tiny
 
     async def main():
-        async with deployed(model, tok) as dep, aiohttp.ClientSession() as s:
+        async with deployed(model, tok) as dep, authorized(dep) as s:
             url = dep.base_url + "/v1/completions"
             answers = []
             async with s.post(url, data="{not json", headers={"Content-Type": "application/json"}) as r:
@@ -728,7 +733,7 @@ def test_request_timeout_is_reported_and_server_keeps_serving(tiny):
     model, tok = tiny
 
     async def main():
-        async with deployed(model, tok) as dep, aiohttp.ClientSession() as s:
+        async with deployed(model, tok) as dep, authorized(dep) as s:
             url = dep.base_url + "/v1/completions"
             start = time.perf_counter()
             async with s.post(url, json={"prompt": [5, 6], "max_tokens": 1000, "timeout": 0.05}) as r:
@@ -940,7 +945,7 @@ def test_response_json_shape(tiny):
     prompt = [5, 6, 7]
 
     async def main():
-        async with deployed(model, tok) as dep, aiohttp.ClientSession() as s:
+        async with deployed(model, tok) as dep, authorized(dep) as s:
             body = {"model": MODEL_NAME, "prompt": [prompt], "max_tokens": 3, "logprobs": 1, "n": 2, "seed": 3}
             async with s.post(dep.base_url + "/v1/completions", json=body) as r:
                 status, data = r.status, await r.json()

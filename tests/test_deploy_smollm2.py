@@ -46,7 +46,7 @@ def test_smollm2_logprobs_match_trainer_and_openai_sdk(smollm2):
             sampled = await asyncio.gather(
                 *[dep.sampler.sample(p, max_tokens=16, temperature=t) for p, t in zip(prompts, temperatures)]
             )
-            client = openai.AsyncOpenAI(base_url=dep.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+            client = openai.AsyncOpenAI(base_url=dep.base_url + "/v1", api_key=dep.api_key, max_retries=0, timeout=120)
             try:
                 sdk = await client.completions.create(
                     model=MODEL_NAME,

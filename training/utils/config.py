@@ -124,8 +124,9 @@ class DeploymentConfig(StrictModel):
     port: int = Field(0, ge=0, le=65535)
     """Port of the embedded server; 0 picks a free one."""
     api_key: str | None = None
-    """Bearer token the embedded server requires (mandatory when binding beyond loopback);
-    sent to an external server."""
+    """Bearer token the embedded server requires on every endpoint but `/health`; when None it generates a
+    secret per run instead (`setup.inference_api_key`). Mandatory when binding beyond loopback, so remote
+    clients can be given it; sent to an external server."""
     weight_sync: Literal["in_process", "disk", "nccl", "none"] = "in_process"
     """`in_process` (embedded only): copy tensors into the engine's model; `disk`: write safetensors to `weight_dir`
     and have the server load them (the default for vllm/sglang); `nccl` (vllm/sglang, GPUs on both ends): broadcast

@@ -59,7 +59,8 @@ async def start_embedded_deployment(
     `model` must be a copy the deployment owns (e.g. `copy.deepcopy(policy)`), never the
     trainer's module. `sampling_timeout_s` is the default per-request timeout of the sampler
     and the engine. `weight_dir` holds safetensors for `cfg.weight_sync="disk"` (default: a
-    temporary directory removed at `close`).
+    temporary directory removed at `close`). The server requires `cfg.api_key`, or a secret generated
+    for this deployment when it is None; the returned handle's `api_key` is the one in force.
     """
     engine = Engine(model, tokenizer, cfg, default_timeout_s=sampling_timeout_s)
     server = InferenceServer(engine, cfg, model_name)
@@ -68,19 +69,20 @@ async def start_embedded_deployment(
     except BaseException:
         await asyncio.to_thread(engine.close)
         raise
-    sampler = Sampler(base_url, model_name, api_key=cfg.api_key, timeout_s=sampling_timeout_s, tokenizer=tokenizer)
+    # Every client of ours carries the server's secret (README: The deployment).
+    sampler = Sampler(base_url, model_name, api_key=server.api_key, timeout_s=sampling_timeout_s, tokenizer=tokenizer)
     weight_dir, own_dir = weight_dir_for(cfg.weight_sync, weight_dir if weight_dir is not None else cfg.weight_dir)
     weight_sync = make_weight_sync(
         cfg.weight_sync,
         engine=engine,
         base_url=base_url,
         directory=weight_dir,
-        api_key=cfg.api_key,
+        api_key=server.api_key,
         timeout_s=cfg.weight_sync_timeout_s,
     )
     weight_sync.version = engine.version
     return EmbeddedDeployment(
-        engine=engine, server=server, base_url=base_url, model_name=model_name, sampler=sampler,
+        engine=engine, server=server, base_url=base_url, api_key=server.api_key, model_name=model_name, sampler=sampler,
         weight_sync=weight_sync, owned_weight_dir=own_dir,
     )
 

@@ -106,8 +106,8 @@ async def connect_external_deployment(
             await sampler.close()
             raise
     return ExternalDeployment(
-        kind=cfg.kind, base_url=base_url, model_name=model_name, sampler=sampler, weight_sync=weight_sync,
-        owned_weight_dir=own_dir,
+        kind=cfg.kind, base_url=base_url, api_key=cfg.api_key, model_name=model_name, sampler=sampler,
+        weight_sync=weight_sync, owned_weight_dir=own_dir,
     )
 
 

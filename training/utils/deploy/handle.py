@@ -1,4 +1,4 @@
-"""What every deployment hands the recipes, embedded or external: `base_url`, `model_name`,
+"""What every deployment hands the recipes, embedded or external: `base_url`, `api_key`, `model_name`,
 `sampler`, `weight_sync`, `version` and `close()`, and the temporary weight directory it may own."""
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ class DeploymentHandle:
     model_name: str
     sampler: Sampler
     weight_sync: WeightSync
+    api_key: str | None = field(default=None, repr=False)
+    """The bearer token the server requires (the embedded server's per-run secret unless
+    `deployment.api_key` is set); for clients of the library's own making, never an agent's."""
     owned_weight_dir: Path | None = field(default=None, repr=False)
     """A directory for disk-synced weights that the deployment created, removed at `close`."""
 

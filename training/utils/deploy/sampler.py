@@ -12,11 +12,16 @@ out of its timeout (the server's 408, or no answer within the timeout plus a sma
 for the transport) is not retried: the timeout bounds the whole call, so it is a
 `RecoverableDeploymentError` at once. Any other 4xx raises `DeploymentError` with the
 server's message (a bug to fix, not retry).
+
+Error messages name the request by its path only, never the deployment's URL: the agent shim
+forwards them to the agent, which must not learn where the deployment listens (the URL and
+the transport's own message go to the log instead).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import aiohttp
@@ -25,6 +30,8 @@ from training.utils.deploy.completion import Completion
 from training.utils.deploy.http_client import auth_headers, error_message, json_or_none
 from training.utils.deploy.protocols import EmbeddedProtocol, Protocol
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
+
+logger = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({429})
 # Seconds added to a request's own timeout for the HTTP round trip: the server times out first
@@ -113,6 +120,7 @@ class Sampler:
 
     async def _post_with_retries(self, path: str, body: dict, attempt_timeout: float) -> dict | list:
         url = self.base_url + path
+        where = f"POST {path}"  # what the errors name: never `url` (see the module docstring)
         last = "no attempt made"
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -125,11 +133,13 @@ class Sampler:
                     status = resp.status
             except TimeoutError:
                 raise RecoverableDeploymentError(
-                    f"POST {url} got no answer within {attempt_timeout:g}s (the request's timeout plus "
+                    f"{where} got no answer within {attempt_timeout:g}s (the request's timeout plus "
                     f"{_TRANSPORT_SLACK_S:g}s); not retried"
                 ) from None
             except aiohttp.ClientError as e:
-                last = f"{type(e).__name__}: {e}"
+                # aiohttp's messages name the host and port; only the log may.
+                logger.warning("POST %s failed (attempt %d): %r", url, attempt + 1, e)
+                last = type(e).__name__
                 continue
             data = json_or_none(text)
             if status == 200 and isinstance(data, (dict, list)):  # SGLang answers a batch with a list
@@ -137,14 +147,14 @@ class Sampler:
             message = error_message(data, text)
             if status == 408:
                 raise RecoverableDeploymentError(
-                    f"POST {url} timed out on the server (HTTP 408: {message}); not retried"
+                    f"{where} timed out on the server (HTTP 408: {message}); not retried"
                 )
             if status in RETRY_STATUSES or status >= 500 or status == 200:
                 last = f"HTTP {status}: {message}"
                 continue
-            raise DeploymentError(f"POST {url} was rejected with HTTP {status}: {message}")
+            raise DeploymentError(f"{where} was rejected with HTTP {status}: {message}")
         raise RecoverableDeploymentError(
-            f"POST {url} failed after {self.max_retries + 1} attempts (max_retries={self.max_retries}); "
+            f"{where} failed after {self.max_retries + 1} attempts (max_retries={self.max_retries}); "
             f"last error: {last}"
         )
 

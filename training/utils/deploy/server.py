@@ -18,7 +18,9 @@ the wrong type or value is a 400 `invalid_request_error` naming it in `param`. F
 but cannot honour (`stream`, `echo`, penalties, `logit_bias`, `suffix`, `best_of` != n,
 `ignore_eos`) are a 400 when set to anything but their neutral value, never silently
 ignored: they would change what is sampled. A request that passes its timeout is a 408.
-If `cfg.api_key` is set every endpoint but `/health` requires `Authorization: Bearer <key>`.
+Every endpoint but `GET /health` requires `Authorization: Bearer <secret>`: `cfg.api_key`, or else a
+secret generated per server (`InferenceServer.api_key`), so that no other local process (an agent's
+shell among them) can sample from the policy or load weights into it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 from typing import Any
@@ -165,6 +168,9 @@ class InferenceServer:
         self.engine = engine
         self.cfg = cfg
         self.model_name = model_name
+        self.api_key = cfg.api_key or secrets.token_urlsafe(32)
+        """The bearer token every endpoint but `/health` requires; never put in `os.environ`."""
+        self._expected_auth = f"Bearer {self.api_key}".encode()
         self.base_url: str | None = None
         self._runner: web.AppRunner | None = None
         self._weights_lock = asyncio.Lock()
@@ -200,11 +206,9 @@ class InferenceServer:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        if self.cfg.api_key and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.cfg.api_key}".encode()):
-                message = "missing or wrong API key (send 'Authorization: Bearer <key>')"
-                return _error(401, message, kind="authentication_error")
+        if not self._authorized(request):
+            message = "missing or wrong API key (send 'Authorization: Bearer <key>')"
+            return _error(401, message, kind="authentication_error")
         try:
             return await handler(request)
         except web.HTTPException as e:  # unknown route or method: keep the JSON error shape
@@ -212,6 +216,14 @@ class InferenceServer:
         except Exception as e:  # noqa: BLE001 - a bug answers 500 and the server keeps serving
             logger.exception("unhandled error in %s %s", request.method, request.path)
             return _error(500, f"internal error: {e!r}", kind="internal_error")
+
+    def _authorized(self, request: web.Request) -> bool:
+        """Whether `request` may be served: `GET /health` always, anything else only with the secret."""
+        if request.method in ("GET", "HEAD") and request.path == "/health":
+            return True
+        given = request.headers.get("Authorization", "").encode()
+        # Constant time, so response timing does not reveal how much of a guess was right.
+        return hmac.compare_digest(given, self._expected_auth)
 
     @staticmethod
     async def _json(request: web.Request) -> Any:

@@ -44,7 +44,9 @@ LAST_REPLY_CHARS = 300
 _KILL_WAIT_S = 10.0
 _AGENT_SUMMARY = re.compile(r"agent: (\d+) model call\(s\), (\d+) tool call\(s\), (\d+) failed")
 # The agent's own credentials must not reach it: it talks to the shim only.
-_SCRUBBED_ENV = ("ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "OPENAI_BASE_URL", "OPENAI_API_KEY")
+# What the agent inherits from this process: enough to run Python and a shell, no credentials.
+_INHERITED_ENV = frozenset({"PATH", "HOME", "USER", "LANG", "TERM", "TMPDIR", "TEMP", "TMP", "TZ", "SYSTEMROOT",
+                            "PYTHONPATH", "VIRTUAL_ENV", "ANTHROPIC_MODEL"})
 
 
 @dataclass
@@ -76,8 +78,11 @@ class AgentResult:
 
 
 def agent_env(base_url: str, api_key: str) -> dict[str, str]:
-    """This process's environment with the agent pointed at the shim session (and at nothing else)."""
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    """The environment the agent runs in: what a Python process needs from ours, pointed at the shim
+    session (and at nothing else)."""
+    # An allowlist, not this process's whole environment: the trainer's tokens (W&B, Hugging Face,
+    # cloud credentials) must not reach an agent that has a shell.
+    env = {k: v for k, v in os.environ.items() if k in _INHERITED_ENV or k.startswith("LC_")}
     return env | {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": api_key}
 
 

@@ -5,10 +5,63 @@ Wires import the module and call them qualified (`fields.flag(body, "stream")`),
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 from training.utils.rl.agent.chat_request import WireError
+
+MAX_DEPTH = 100
+"""How deep arrays and objects may nest in a request body (tool inputs and schemas included). Deeper bodies
+are refused up front: every later step (copying, fingerprinting, rendering) walks them recursively."""
+
+
+def plain_json(value: Any, param: str = "") -> None:
+    """Refuses (WireError 400) a parsed body that no later step can take: nesting past `MAX_DEPTH`, or a string
+    (key or value) holding a lone surrogate such as "\\ud800", which JSON escapes allow but UTF-8 cannot encode.
+
+    `param` is where `value` sits in the request (a tool call's decoded arguments, say). The walk is iterative,
+    so it cannot itself run out of stack on the bodies it refuses.
+    """
+    stack = [(value, param, 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if isinstance(item, str):
+            _encodable(item, where)
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth >= MAX_DEPTH:
+            raise WireError(f"{where or 'the request body'} nests deeper than {MAX_DEPTH} levels", param=where or None)
+        if isinstance(item, dict):
+            for key, child in item.items():
+                _encodable(key, where)
+                stack.append((child, f"{where}.{key}" if where else key, depth + 1))
+        else:
+            stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(item))
+
+
+def embedded_json(text: str, param: str) -> None:
+    """Refuses JSON held in a string field (OpenAI tool-call arguments) as `plain_json` refuses a body; text that
+    is not JSON passes (a model may well have written broken arguments, and they are kept verbatim)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise WireError(f"{param} nests deeper than {MAX_DEPTH} levels", param=param) from None
+    except ValueError:
+        return
+    plain_json(value, param)
+
+
+def _encodable(text: str, where: str) -> None:
+    if text.isascii():  # the common case, and no surrogate is ASCII
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start:e.end].encode("unicode_escape").decode()
+        raise WireError(f"{where or 'the request body'} holds a lone surrogate ({bad}), which is not valid "
+                        "Unicode text", param=where or None) from None
 
 
 def messages(body: Any) -> list:

@@ -19,7 +19,7 @@ One model request, in its session's queue (`session.py` has the per-session step
 1. translate the body (the wire's `TurnCodec`); a bad request is a 4xx in the wire's error
    shape and touches no session state;
 2. resolve the turn's parent and render its prompt (`ShimSession.prepare`); no room left in
-   the context is a 400 `context_length_exceeded`;
+   the context is a 400 worded as the wire's clients expect (`WireFormat.overflow_message`);
 3. sample token-in/token-out with the trainer's sampling parameters and the session's
    affinity key; a failed or timed-out sampler call is a 503;
 4. check the answer against the prompt sent (`check_turn`): a broken trace is a 503, counted
@@ -46,7 +46,7 @@ from aiohttp import web
 
 from training.utils.config import AgentShimConfig
 from training.utils.errors import DeploymentError, RecoverableRolloutError
-from training.utils.rl.agent import wire_anthropic, wire_openai
+from training.utils.rl.agent import fields, wire_anthropic, wire_openai
 from training.utils.rl.agent.chat_format import ChatFormat
 from training.utils.rl.agent.chat_request import ChatRequest, WireError
 from training.utils.rl.agent.session import (
@@ -257,7 +257,8 @@ class AgentShim:
         raise WireError("unknown session key", status=401)
 
     async def read_json(self, request: web.Request) -> Any:
-        """The request body as JSON; a WireError 413 (too large), 408 (too slow) or 400 (not JSON) otherwise."""
+        """The request body as JSON; a WireError 413 (too large), 408 (too slow) or 400 otherwise: not UTF-8 JSON,
+        NaN or Infinity, nesting past `fields.MAX_DEPTH`, or a lone surrogate anywhere (`fields.plain_json`)."""
         try:
             raw = await asyncio.wait_for(request.read(), self.cfg.request_timeout_s)
         except web.HTTPRequestEntityTooLarge:
@@ -267,9 +268,13 @@ class AgentShim:
             raise WireError(f"the request body did not arrive within {self.cfg.request_timeout_s:g}s",
                             status=408) from None
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+            body = json.loads(raw, parse_constant=_not_json)
+        except RecursionError:
+            raise WireError(f"the request body nests deeper than {fields.MAX_DEPTH} levels") from None
+        except ValueError as e:  # UnicodeDecodeError included: bodies are UTF-8
             raise WireError(f"the request body is not valid JSON: {e}") from None
+        fields.plain_json(body)
+        return body
 
     async def model_call(self, request: web.Request, codec: TurnCodec) -> web.StreamResponse:
         """Answer one model request in its session's queue and record the turn (steps 1-6 of this module)."""
@@ -304,6 +309,10 @@ class AgentShim:
                 return await handler(self, request)
             except WireError as e:
                 return wire.error_response(e.status, str(e), param=e.param, code=e.code)
+            except ContextOverflowError as e:
+                # Clients recognise an overflow by its wording (Claude Code then compacts), so each wire has its own.
+                message = wire.overflow_message(e.prompt_tokens, e.limit)
+                return wire.error_response(400, message, param="messages", code="context_length_exceeded")
 
         return serve
 
@@ -329,10 +338,8 @@ class AgentShim:
 
     async def _turn(self, request: web.Request, session: ShimSession, chat: ChatRequest, codec: TurnCodec):
         # 2. Parent and prompt.
-        try:
-            prepared = session.prepare(chat)
-        except ContextOverflowError as e:
-            raise WireError(str(e), status=400, param="messages", code="context_length_exceeded") from None
+        # No room left is a ContextOverflowError: `_serve` words it the wire's way.
+        prepared = session.prepare(chat)
         # 3. Sample with the trainer's parameters and the session's affinity key.
         try:
             sampling = self._sample(session, prepared.prompt_ids, prepared.max_tokens, chat.stop)
@@ -435,6 +442,11 @@ class AgentShim:
             logger.exception("agent shim session %s: recording a delivered reply failed",
                              session.run_id or session.key[:13])
         return True
+
+
+def _not_json(constant: str) -> None:
+    # Python's json reads NaN and Infinity, which JSON does not have (and no reply could echo).
+    raise ValueError(f"{constant} is not a JSON value")
 
 
 def _presented_keys(request: web.Request) -> list[str]:

@@ -286,6 +286,11 @@ def anthropic_error_body(status: int, message: str, *, param: str | None = None,
     return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
+def anthropic_overflow_message(prompt_tokens: int, limit: int) -> str:
+    """Anthropic's words for a prompt over the context: Claude Code compacts the conversation on exactly these."""
+    return f"prompt is too long: {prompt_tokens} tokens > {limit} maximum"
+
+
 # ---------------------------------------------------------------------------- the wire format
 
 async def count_tokens(server: WireServer, request: web.Request) -> web.Response:
@@ -302,4 +307,5 @@ WIRE = WireFormat(
     prefix="/v1/messages",
     routes=(model_call_route("/v1/messages", CODEC), Route("POST", "/v1/messages/count_tokens", count_tokens)),
     error_body=anthropic_error_body,
+    overflow_message=anthropic_overflow_message,
 )

@@ -67,6 +67,12 @@ class TurnCodec:
     """a fresh response id"""
 
 
+def default_overflow_message(prompt_tokens: int, limit: int) -> str:
+    """The shim's own wording of a context overflow (OpenAI's `context_length_exceeded` states both numbers)."""
+    return (f"the prompt is {prompt_tokens} tokens, which leaves no room to generate within the context limit of "
+            f"{limit} tokens (agent_shim.max_context_tokens); shorten or compact the conversation")
+
+
 @dataclass(frozen=True)
 class WireFormat:
     """One wire format: the routes it serves, its error shape, and the paths that answer in that shape."""
@@ -78,6 +84,9 @@ class WireFormat:
     routes: tuple[Route, ...]
     error_body: Callable[..., dict]
     """(status, message, *, param, code) -> the JSON error body"""
+    overflow_message: Callable[[int, int], str] = default_overflow_message
+    """(prompt tokens, context limit) -> the message of the 400 for a prompt that leaves no room to generate
+    (code "context_length_exceeded"): clients recognise an overflow by the wording their provider uses"""
 
     def error_response(
         self, status: int, message: str, *, param: str | None = None, code: str | None = None

@@ -111,6 +111,8 @@ def _tool_call(call: Any, param: str) -> dict:
     arguments = function.get("arguments")
     if arguments is None or arguments == "":
         arguments = {}
+    elif isinstance(arguments, str):
+        fields.embedded_json(arguments, f"{param}.function.arguments")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": canonical_arguments(arguments)}}
 
 

@@ -71,6 +71,9 @@ class RolloutSetup:
     """Free-form user values from `main(..., rollout_extras=...)`."""
     shim: Any = None
     """Handle to open agent-shim sessions, when the shim is enabled."""
+    inference_api_key: str | None = field(default=None, repr=False)
+    """Bearer token `inference_base_url` requires (the embedded deployment's per-run secret), for an
+    OpenAI client of the rollout's own; never hand it to an agent: agents go through `shim`."""
 
 
 @dataclass
