@@ -1,10 +1,12 @@
-"""Shared by the engine tests on CPU (`test_deploy.py`) and on CUDA (`test_gpu.py`)."""
+"""Shared by the engine and deployment tests on CPU (`test_deploy.py`, `test_deployment_secret.py`) and on CUDA
+(`test_gpu.py`)."""
 
 import asyncio
+import contextlib
 import copy
 
 from training.utils.config import DeploymentConfig
-from training.utils.deploy import Engine
+from training.utils.deploy import Engine, start_embedded_deployment
 
 
 def greedy_and_sampled(model, tokenizer, cfg: DeploymentConfig, prompts, max_tokens, *, sampled_rows: int,
@@ -24,3 +26,15 @@ def greedy_and_sampled(model, tokenizer, cfg: DeploymentConfig, prompts, max_tok
         return greedy, sampled, dict(engine.stats)
 
     return asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def deployed(model, tokenizer, *, model_name: str = "tiny", **cfg):
+    """An embedded deployment serving a copy of `model` under `DeploymentConfig(**cfg)`, closed on exit."""
+    dep = await start_embedded_deployment(
+        copy.deepcopy(model), tokenizer, DeploymentConfig(**cfg), model_name=model_name, sampling_timeout_s=60
+    )
+    try:
+        yield dep
+    finally:
+        await dep.close()

@@ -8,7 +8,6 @@ keeps lengths predictable. Each test runs its own event loop and deployment.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import threading
 import time
@@ -19,7 +18,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from engine_support import greedy_and_sampled
+from engine_support import deployed, greedy_and_sampled
 from training.utils.config import DeploymentConfig
 from training.utils.deploy import (
     DiskWeightSync,
@@ -65,17 +64,6 @@ def tiny():
 @pytest.fixture(scope="module")
 def tiny_other():
     return make_tiny(1)[0]
-
-
-@contextlib.asynccontextmanager
-async def deployed(model, tokenizer, **cfg):
-    dep = await start_embedded_deployment(
-        copy.deepcopy(model), tokenizer, DeploymentConfig(**cfg), model_name=MODEL_NAME, sampling_timeout_s=60
-    )
-    try:
-        yield dep
-    finally:
-        await dep.close()
 
 
 def authorized(dep) -> aiohttp.ClientSession:

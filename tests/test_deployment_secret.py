@@ -8,16 +8,14 @@ The official `openai` SDK is the client; the model is a tiny random Llama on CPU
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import copy
 import os
 
 import aiohttp
 import pytest
 import torch
 
-from training.utils.config import DeploymentConfig, RLConfig
-from training.utils.deploy import start_embedded_deployment
+from engine_support import deployed
+from training.utils.config import RLConfig
 from training.utils.deploy.weight_sync import write_weight_dir
 from training.utils.errors import DeploymentError
 from training.utils.model import load_model_and_tokenizer
@@ -41,17 +39,6 @@ def _tiny(seed: int):
 @pytest.fixture(scope="module")
 def tiny():
     return _tiny(0)
-
-
-@contextlib.asynccontextmanager
-async def deployed(model, tokenizer, **cfg):
-    dep = await start_embedded_deployment(
-        copy.deepcopy(model), tokenizer, DeploymentConfig(**cfg), model_name=MODEL_NAME, sampling_timeout_s=60
-    )
-    try:
-        yield dep
-    finally:
-        await dep.close()
 
 
 async def _sdk_complete(dep, api_key: str | None):
