@@ -3,7 +3,9 @@ shaping, the entropy bonus. Hand-worked values for the pure pieces, then short r
 
 import asyncio
 import math
+import time
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -22,7 +24,7 @@ from training.utils.rl.groups import (
     reshape_advantages,
 )
 from training.utils.rl.rollout.types import RolloutRun, sample_from_completion
-from training.utils.rl.train_step import adapt_kl_beta, kl_sums
+from training.utils.rl.train_step import BatchUpdate, adapt_kl_beta, kl_sums, train_batch
 from training.utils.tiny_model import tiny_config
 from training.utils.trainer import Datum, MicroBatch, Trainer
 
@@ -190,6 +192,10 @@ def test_kl_in_the_reward_end_to_end_and_chunked_like_one_batch(tmp_path):
     chunked, chunked_weights = run(async_rl_loop, tmp_path, "chunked", max_head_offpolicy_versions=0,
                                    pipeline_chunks_per_step=2, **knobs)
     assert [r["async/realized_chunks"] for r in chunked] == [2.0, 2.0, 2.0]
+    # Both recipes' ledgers carry the trainer's phase times, inside the trainer's busy time.
+    for r in sync + chunked:
+        phases = [r[f"perf/{phase}_time"] for phase in ("ref_forward", "old_policy_forward", "fwd_bwd", "optim_step")]
+        assert all(t > 0 for t in phases) and sum(phases) <= r["perf/train_time"], r
     for mine, ref in zip(chunked, sync):
         for key in ("train/loss", "train/grad_norm", "train/kl_reward_penalty_mean", "train/overlong_penalty_mean",
                     "rollout/raw_reward"):
@@ -232,3 +238,46 @@ def test_entropy_bonus_end_to_end(tmp_path):
             assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
     # Summation order differs in float; AdamW divides by √v, which magnifies it where a gradient is tiny (1.8e-5 seen).
     assert all(torch.allclose(chunked_weights[k], bonus_weights[k], atol=1e-4) for k in bonus_weights)
+
+
+# ---- per-phase timers ---------------------------------------------------------------------------
+
+
+def test_phase_timers_measure_each_trainer_phase(monkeypatch):
+    """Each phase's wall time lands in its own perf/<phase>_time, summed over chunks and optimizer steps."""
+    torch.manual_seed(0)
+    policy = Trainer(load_model_and_tokenizer(tiny_config(260), device="cpu")[0], TrainerConfig(precision="fp32"))
+    reference = Trainer(load_model_and_tokenizer(tiny_config(260), device="cpu")[0], TrainerConfig(precision="fp32"),
+                        trainable=False)
+    delays = {"ref_forward": 0.05, "old_policy_forward": 0.10, "fwd_bwd": 0.02, "optim_step": 0.03}
+
+    def slowed(obj, method, delay):
+        inner = getattr(obj, method)
+
+        def call(*args, **kwargs):
+            time.sleep(delay)
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(obj, method, call)
+
+    slowed(reference, "logprobs", delays["ref_forward"])
+    slowed(policy, "logprobs", delays["old_policy_forward"])
+    slowed(policy, "forward_backward", delays["fwd_bwd"])
+    slowed(policy, "optim_step", delays["optim_step"])
+    datums = [Datum(input_ids=[1, 40 + i, 50, 60 + i], target_ids=[40 + i, 50, 60 + i, 70], weights=[0, 0, 1, 1],
+                    behaviour_logprobs=[-1.0] * 4, advantage=1.0 - i, prompt_len=3) for i in range(2)]
+    # Two chunks, 2 PPO epochs: each chunk pays a reference and an anchor pass, the inner loop 2 passes and 2 steps.
+    cfg = rl_loop.Config(model="tiny-random", kl_beta=0.1, ppo_epochs=2, completions_per_prompt=2)
+    update = BatchUpdate(policy, reference, cfg, np.random.default_rng(0), planned_chunks=2)
+    update.add(datums[:1])
+    update.add(datums[1:])
+    metrics = update.finish()
+    calls = {"ref_forward": 2, "old_policy_forward": 2, "fwd_bwd": 2, "optim_step": 2}
+    for phase, delay in delays.items():
+        spent = metrics[f"perf/{phase}_time"]
+        assert calls[phase] * delay <= spent < calls[phase] * delay + 1.0, (phase, spent)
+    # One PPO epoch of one minibatch: π_old comes from the training pass, so no anchor pass runs.
+    single = train_batch(policy, None, datums, rl_loop.Config(model="tiny-random", completions_per_prompt=2),
+                         np.random.default_rng(0))
+    assert single["perf/old_policy_forward_time"] == 0.0 and single["perf/ref_forward_time"] == 0.0
+    assert single["perf/fwd_bwd_time"] >= delays["fwd_bwd"]

@@ -76,3 +76,26 @@ def test_smollm2_alias_loads_offline():
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                            tokenize=False)
     assert prompt.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in prompt
+
+
+@pytest.mark.parametrize("capabilities, native", [
+    ({"avx2": True, "avx512_bf16": False, "amx_bf16": False}, False),  # this CI machine's kind (AMD EPYC, AVX2)
+    ({"avx2": True, "avx512_bf16": True}, True),
+    ({"amx_bf16": True}, True),
+    ({"architecture": "arm64", "bf16": True}, True),
+])
+def test_auto_precision_is_bf16_only_where_the_cpu_has_it(monkeypatch, capabilities, native):
+    from training.utils.config import DeploymentConfig, TrainerConfig
+    from training.utils.deploy import engine_dtype
+    from training.utils.model import native_bf16
+    from training.utils.trainer import resolve_precision
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    cpu = torch.device("cpu")
+    assert native_bf16(cpu) is native
+    assert resolve_precision(TrainerConfig(), cpu) == ("bf16-autocast" if native else "fp32")
+    assert engine_dtype(DeploymentConfig(), cpu) == (torch.bfloat16 if native else torch.float32)
+    # An explicit choice always wins.
+    assert resolve_precision(TrainerConfig(precision="fp32"), cpu) == "fp32"
+    assert engine_dtype(DeploymentConfig(dtype="float32"), cpu) == torch.float32
+    assert engine_dtype(DeploymentConfig(dtype="bfloat16"), cpu) == torch.bfloat16

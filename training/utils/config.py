@@ -58,8 +58,9 @@ class TrainerConfig(StrictModel):
     precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
     """Trainer numerics. `fp32`: float32 everywhere. `bf16-autocast`: float32 weights, gradients and AdamW state,
     matmuls in bfloat16 under autocast. `bf16`: bfloat16 weights and AdamW state (half the memory, but an update
-    smaller than a weight's bf16 resolution is lost). `auto`: bf16-autocast on CUDA, fp32 on CPU. The reference
-    model uses the same numerics as the policy."""
+    smaller than a weight's bf16 resolution is lost). `auto`: bf16-autocast where bf16 compute is native (CUDA,
+    and CPUs with AVX512-BF16 or AMX, detected at run time), fp32 elsewhere. The reference model uses the same
+    numerics as the policy."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     compile_layers: bool = False
@@ -135,8 +136,9 @@ class DeploymentConfig(StrictModel):
     """What in-flight requests do at a weight sync: finish on the old weights (the sync waits for them),
     or pause and continue on the new weights (the embedded engine records each token's version)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Weights of the embedded engine's model copy; `auto`: bfloat16 on CUDA, float32 on CPU. In-process sync
-    converts the trainer's (float32) tensors on copy."""
+    """Weights of the embedded engine's model copy; `auto`: bfloat16 where bf16 compute is native (CUDA, and CPUs
+    with AVX512-BF16 or AMX, detected at run time), float32 elsewhere. In-process sync converts the trainer's
+    (float32) tensors on copy."""
     decode_steps: Literal["auto", "eager", "graphs", "static"] = "auto"
     """How the embedded engine runs a decode step. `graphs` (CUDA only): captured CUDA graphs, one per (rows,
     columns) bucket, replayed without launch overhead. `eager`: a plain forward over the live rows and columns.
@@ -146,6 +148,12 @@ class DeploymentConfig(StrictModel):
     steps and warns why (docs/engine-decode-loop.md: Start-up self-check). `eager` skips the check."""
     max_batch_requests: int = Field(64, gt=0)
     """Most sequences the engine decodes at once."""
+    prefix_cache_tokens: int = Field(8192, ge=0)
+    """Tokens of keys/values the embedded engine keeps from recently prefilled prompts and finished sequences, so
+    a prompt that starts with them (the G draws of one row, the next turn of a chat) prefills only the rest; least
+    recently used first out, emptied at every weight update; 0 turns it off. A token costs 2 x layers x KV heads x
+    head dim x dtype bytes: 46 KB for SmolLM2-135M in float32 (the default is then ~380 MB), 12 KB for
+    Qwen2.5-0.5B in bfloat16 (docs/engine-decode-loop.md: Prefix cache)."""
     max_context_tokens: int | None = Field(None, gt=0)
     """Longest prompt + completion served; defaults to the model's `max_position_embeddings`."""
     weight_sync_timeout_s: FiniteFloat = Field(600.0, gt=0)

@@ -56,6 +56,17 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 compute is native (so faster than float32) on `device`: any CUDA device, or a CPU with
+    AVX512-BF16 or AMX (x86) or the BF16 extension (Arm), read from torch's cpuinfo at run time."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu":
+        return False
+    capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return any(capabilities.get(flag) is True for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 

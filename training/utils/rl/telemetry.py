@@ -11,7 +11,8 @@ reported (a request that spans a weight sync has tokens of two versions).
 - `rollout_wait_time`: the trainer waiting for rows (nothing to train);
 - `weight_sync_time`: pushing the weights to the deployment;
 - `trainer_idle_frac`: 1 − train_time / step_time;
-- `samples_per_s`: trained runs / step_time; `train_tokens_per_s`: trained tokens / train_time.
+- `samples_per_s`: trained runs / step_time; `train_tokens_per_s`: trained tokens / train_time;
+- `train_tokens`: the trained datums' tokens (the trainer's own phase times come from `train_step.PHASES`).
 
 `rollout/inference_drift_k1|k3`: how far the distribution the engine sampled from (`logprobs`, μ)
 is from its raw one (`raw_logprobs`, before temperature and top-p/top-k; ρ), on the trained tokens
@@ -56,6 +57,7 @@ def perf_metrics(
         "perf/trainer_idle_frac": max(0.0, 1.0 - train_time / step_time) if step_time > 0 else 0.0,
         "perf/samples_per_s": samples / step_time if step_time > 0 else 0.0,
         "perf/train_tokens_per_s": tokens / train_time if train_time > 0 else 0.0,
+        "perf/train_tokens": float(tokens),
     }
 
 

@@ -19,6 +19,8 @@ here runs on whatever thread the recipe trains on.
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +33,23 @@ from training.utils.trainer import Datum, MicroBatch, Reference, Trainer
 
 GAP = "rollout/sampler_trainer_logprob_diff"
 """Mean |π_old − μ| over trained tokens: how far the sampler's logprobs are from the trainer's."""
+
+PHASES = ("ref_forward", "old_policy_forward", "fwd_bwd", "optim_step")
+"""The trainer phases of a batch, each reported as `perf/<phase>_time` (seconds, summed over chunks and steps)."""
+
+
+def timed(times: dict[str, float], phase: str, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, its wall time added to `times[phase]` (the trainer's calls return host values, so
+    the time includes the device's work)."""
+    start = time.perf_counter()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        times[phase] += time.perf_counter() - start
+
+
+def phase_metrics(times: dict[str, float]) -> dict[str, float]:
+    return {f"perf/{phase}_time": times[phase] for phase in PHASES}
 
 
 def anchor_is_current_policy(cfg: RLConfig) -> bool:
@@ -129,18 +148,22 @@ def anchor_and_reference(
 
 
 def pre_update_logprobs(
-    policy: Trainer, reference: Reference | None, datums_D: list[Datum], cfg: RLConfig
+    policy: Trainer, reference: Reference | None, datums_D: list[Datum], cfg: RLConfig,
+    times: dict[str, float] | None = None,
 ) -> tuple[dict[str, list[torch.Tensor]], dict[str, float], list[torch.Tensor] | None]:
-    """`anchor_and_reference`, and the pre-update policy's logprobs per datum (None when no anchor pass ran)."""
+    """`anchor_and_reference`, and the pre-update policy's logprobs per datum (None when no anchor pass ran);
+    the passes' wall times are added to `times`."""
+    times = times if times is not None else defaultdict(float)
     temperature = cfg.sampling.temperature
     extras: dict[str, list[torch.Tensor]] = {}
     if cfg.kl_beta > 0:
         if reference is None:
             raise ValueError("kl_beta > 0 needs a reference trainer")
-        extras["ref_logprobs"] = reference.logprobs(datums_D, temperature)
+        extras["ref_logprobs"] = timed(times, "ref_forward", reference.logprobs, datums_D, temperature)
     if anchor_is_current_policy(cfg) and cfg.kl_placement == "loss":
         return extras, {}, None
-    trainer_lp_D, entropy_D = policy.logprobs(datums_D, temperature, with_entropy=True)
+    trainer_lp_D, entropy_D = timed(times, "old_policy_forward", policy.logprobs, datums_D, temperature,
+                                    with_entropy=True)
     behaviour_D = [torch.tensor(d.behaviour_logprobs, dtype=torch.float32) for d in datums_D]
     extras["old_logprobs"] = trainer_lp_D if cfg.anchor_logp == "old_policy" else behaviour_D
     extras["entropy"] = entropy_D
@@ -170,8 +193,11 @@ def ppo_update(
     extras: dict[str, list[torch.Tensor]],
     cfg: RLConfig,
     rng: np.random.Generator,
+    times: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """`ppo_epochs` passes × `ppo_minibatches` optimizer steps; metrics reduced over the steps."""
+    """`ppo_epochs` passes × `ppo_minibatches` optimizer steps; metrics reduced over the steps, the passes' wall
+    times added to `times`."""
+    times = times if times is not None else defaultdict(float)
     loss_fn = make_loss_fn(cfg)
     n_minibatches = min(cfg.ppo_minibatches, len(datums_D))
     per_step: list[tuple[dict[str, float], float]] = []
@@ -180,11 +206,12 @@ def ppo_update(
         for indices in np.array_split(order, n_minibatches):
             minibatch = [datums_D[i] for i in indices]
             minibatch_extras = {k: [v[i] for i in indices] for k, v in extras.items()}
-            metrics = policy.forward_backward(
-                minibatch, loss_fn, temperature=cfg.sampling.temperature, extras=minibatch_extras,
-                with_entropy=entropy_in_training_pass(cfg, extras), entropy_grad=cfg.entropy_coef != 0,
+            metrics = timed(
+                times, "fwd_bwd", policy.forward_backward, minibatch, loss_fn, temperature=cfg.sampling.temperature,
+                extras=minibatch_extras, with_entropy=entropy_in_training_pass(cfg, extras),
+                entropy_grad=cfg.entropy_coef != 0,
             )
-            per_step.append((metrics | policy.optim_step(), 1.0))
+            per_step.append((metrics | timed(times, "optim_step", policy.optim_step), 1.0))
     # Without a separate anchor pass, the first step's training pass measured the gap.
     gap = {} if "old_logprobs" in extras else {GAP: per_step[0][0]["sampler_trainer_logprob_diff"]}
     reduced = reduce_metrics(per_step)
@@ -219,6 +246,8 @@ class BatchUpdate:
     """β·KL subtracted from each run's reward so far (kl_placement="reward")."""
     overlong_R: list[float] = field(default_factory=list)
     """The overlong shaping added to each run's reward so far."""
+    times: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Wall time per trainer phase (`PHASES`) so far."""
 
     @property
     def accumulates(self) -> bool:
@@ -229,7 +258,7 @@ class BatchUpdate:
     def add(self, datums_D: list[Datum]) -> None:
         """A chunk: no-grad logprobs with the pre-update weights, the advantages from shaped rewards (when
         shaping), then (when accumulating) its gradient."""
-        extras, gap, old_logprobs_D = pre_update_logprobs(self.policy, self.reference, datums_D, self.cfg)
+        extras, gap, old_logprobs_D = pre_update_logprobs(self.policy, self.reference, datums_D, self.cfg, self.times)
         if shapes_rewards(self.cfg):
             datums_D = self.reshape(datums_D, old_logprobs_D, extras.get("ref_logprobs"))
         tokens = float(sum(sum(d.weights) for d in datums_D))
@@ -241,10 +270,10 @@ class BatchUpdate:
             self.gap_tokens += tokens
         if self.accumulates:
             # The training pass computes the entropy without an anchor pass, and for the entropy bonus's gradient.
-            metrics = self.policy.forward_backward(
-                datums_D, make_loss_fn(self.cfg, normalised=False), temperature=self.cfg.sampling.temperature,
-                extras=extras, with_entropy=entropy_in_training_pass(self.cfg, extras),
-                entropy_grad=self.cfg.entropy_coef != 0,
+            metrics = timed(
+                self.times, "fwd_bwd", self.policy.forward_backward, datums_D, make_loss_fn(self.cfg, normalised=False),
+                temperature=self.cfg.sampling.temperature, extras=extras,
+                with_entropy=entropy_in_training_pass(self.cfg, extras), entropy_grad=self.cfg.entropy_coef != 0,
             )
             self.chunk_metrics.append((metrics, tokens))
 
@@ -266,7 +295,7 @@ class BatchUpdate:
 
     def finish(self) -> dict[str, float]:
         """The optimizer step(s), the shaping metrics, then (with `kl_target`) β for the next batch."""
-        metrics = self.optimizer_steps()
+        metrics = self.optimizer_steps() | phase_metrics(self.times)
         if self.cfg.kl_beta > 0:
             metrics["train/kl_beta"] = self.cfg.kl_beta  # the β this batch used
         if self.kl_penalty_R:
@@ -284,7 +313,7 @@ class BatchUpdate:
         """One optimizer step on the accumulated gradient, or the full PPO inner loop."""
         gap = {GAP: self.gap_sum / self.gap_tokens} if self.gap_tokens else {}
         if not self.accumulates:
-            return ppo_update(self.policy, self.datums_D, self.extras, self.cfg, self.rng) | gap
+            return ppo_update(self.policy, self.datums_D, self.extras, self.cfg, self.rng, self.times) | gap
         tokens = float(sum(sum(d.weights) for d in self.datums_D))
         denominator = LOSS_AGG_MODES[self.cfg.loss_agg_mode].batch_denominator(tokens, len(self.datums_D))
         for p in self.policy.model.parameters():
@@ -295,7 +324,7 @@ class BatchUpdate:
         measured = metrics.pop("sampler_trainer_logprob_diff", None)
         if measured is not None:  # by the training passes, before the step
             gap = {GAP: measured} | gap
-        metrics |= self.policy.optim_step()
+        metrics |= timed(self.times, "optim_step", self.policy.optim_step)
         return gap | train_metrics(metrics, self.policy, optimizer_steps=1)
 
 

@@ -40,6 +40,7 @@ from training.utils import distributed
 from training.utils.config import TrainerConfig
 from training.utils.errors import ConfigError, one_line
 from training.utils.lora import adapters_disabled, merged_state_dict, standalone_copy, wrap_with_lora
+from training.utils.model import native_bf16
 from training.utils.trainer.batching import (
     Datum,
     LossFn,
@@ -67,10 +68,11 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
-    """`cfg.precision` with `auto` decided: bf16-autocast on CUDA, fp32 elsewhere."""
+    """`cfg.precision` with `auto` decided: bf16-autocast where bf16 is native (CUDA, CPUs with AVX512-BF16 or
+    AMX), fp32 elsewhere."""
     if cfg.precision != "auto":
         return cfg.precision
-    return "bf16-autocast" if device.type == "cuda" else "fp32"
+    return "bf16-autocast" if native_bf16(device) else "fp32"
 
 
 def weight_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
