@@ -1,17 +1,25 @@
-"""Training throughput and MFU of the local trainer, padded vs packed micro-batches, in one run.
+"""Training throughput and MFU of the local trainer, padded vs packed vs shared-prefix micro-batches, in one run.
 
-Each optimizer step is `forward_backward` + `optim_step` over RL-shaped datums: lengths drawn
-uniformly from [seq_len/4, seq_len], the first quarter of each a prompt (context), the rest
-trained. Both layouts train the same datums on the same model, one after the other:
-- padded: length-bucketed micro-batches, right-padded to their longest datum;
-- packed: `TrainerConfig.pack_sequences`, datums end to end in one row per micro-batch.
+Each optimizer step is `forward_backward` + `optim_step` over RL-shaped datums (`--workload`):
+- uneven: lengths drawn uniformly from [seq_len/4, seq_len], the first quarter of each a prompt
+  (context), the rest trained; no two datums share a prompt;
+- main-job: groups of `--group-size` draws of one 46-token prompt, 4-12 sampled tokens each (the
+  README's main job: SmolLM2-135M-Instruct, 8 prompts x 8 draws per step);
+- trl: groups of draws of one 47-token prompt, 24 sampled tokens each (TRL's GRPO quickstart shape).
+Every layout trains the same datums on the same model, one after the other:
+- padded: length-bucketed micro-batches, right-padded to their longest datum (`share_prefixes="off"`);
+- packed: `TrainerConfig.pack_sequences`, datums end to end in one row per micro-batch;
+- shared: `TrainerConfig.share_prefixes="on"`, a group's prompt computed once in its row.
 
     python benchmarks/trainer_throughput.py --shape smollm2-135m --batch 8 --seq-len 256 --steps 2
+    python benchmarks/trainer_throughput.py --shape smollm2-135m --workload main-job --batch 64 \\
+        --layouts padded,shared --max-tokens-per-microbatch 2048 --steps 2
     python benchmarks/trainer_throughput.py --shape llama-1b --batch 64 --seq-len 2048 \\
         --max-tokens-per-microbatch 16384 --attn flex_attention      # one H100
 
 `--shape` builds a randomly initialized model of a known architecture (no weights needed);
-`--model` loads an alias or a local directory instead. Tokens/s counts real (unpadded) tokens.
+`--model` loads an alias or a local directory instead. Tokens/s counts real (unpadded) tokens;
+`computed` is what the trainer ran through the model (`forward_backward`'s "tokens_computed").
 
 MFU = useful FLOPs / time / peak, with useful FLOPs per step = 6 × (decoder matmul parameters ×
 all tokens + lm_head parameters × trained tokens) + 6 × layers × attention width × Σ length²
@@ -40,6 +48,11 @@ SHAPES = {
                      num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False, rope_theta=10000.0,
                      max_position_embeddings=8192),
 }
+GROUPED_WORKLOADS = {"main-job": (46, 4, 12), "trl": (47, 24, 24)}
+"""Workloads of groups: (prompt tokens, fewest and most sampled tokens of a draw)."""
+LAYOUTS = {"padded": dict(share_prefixes="off"), "packed": dict(share_prefixes="off", pack_sequences=True),
+           "shared": dict(share_prefixes="on")}
+"""The `TrainerConfig` fields of each layout."""
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 """Dense bf16 tensor-core peaks from the vendor's spec sheets (SXM parts)."""
 
@@ -49,12 +62,15 @@ def parse_args() -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--shape", choices=sorted(SHAPES), help="randomly initialized model of this architecture")
     source.add_argument("--model", help=f"alias or local HF directory (default {SMOLLM2_ALIAS})")
+    parser.add_argument("--workload", default="uneven", choices=["uneven", *GROUPED_WORKLOADS])
     parser.add_argument("--batch", type=int, default=8, help="datums per optimizer step")
-    parser.add_argument("--seq-len", type=int, default=512, help="longest datum; lengths are uniform in [1/4, 1]×")
+    parser.add_argument("--group-size", type=int, default=8, help="draws per prompt (grouped workloads)")
+    parser.add_argument("--seq-len", type=int, default=512,
+                        help="uneven workload: longest datum; lengths are uniform in [1/4, 1]×")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per layout")
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first, per layout")
     parser.add_argument("--max-tokens-per-microbatch", type=int, default=4096)
-    parser.add_argument("--layouts", default="padded,packed", help="comma-separated: padded, packed")
+    parser.add_argument("--layouts", default="padded,packed", help=f"comma-separated: {', '.join(LAYOUTS)}")
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast", "bf16"])
     parser.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, flex_attention, eager, ...)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
@@ -62,9 +78,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: known GPUs)")
     args = parser.parse_args()
-    unknown = set(args.layouts.split(",")) - {"padded", "packed"}
+    unknown = set(args.layouts.split(",")) - LAYOUTS.keys()
     if unknown:
-        parser.error(f"--layouts takes padded and/or packed, got {sorted(unknown)}")
+        parser.error(f"--layouts takes {', '.join(LAYOUTS)}, got {sorted(unknown)}")
     return args
 
 
@@ -93,6 +109,27 @@ def rl_shaped_datums(batch: int, seq_len: int, vocab_size: int, seed: int = 0) -
             target_ids=tokens[1:],
             weights=[0.0] * (prompt_len - 1) + [1.0] * (length - prompt_len + 1),
             behaviour_logprobs=[-10.0] * length,
+            advantage=1.0 if index % 2 else -1.0,
+            prompt_len=prompt_len,
+        ))
+    return datums
+
+
+def grouped_datums(batch: int, group_size: int, workload: str, vocab_size: int, seed: int = 0) -> list[Datum]:
+    """`batch` datums in groups of `group_size` draws of one prompt, shaped as `GROUPED_WORKLOADS[workload]`."""
+    prompt_len, fewest, most = GROUPED_WORKLOADS[workload]
+    generator = torch.Generator().manual_seed(seed)
+    datums = []
+    for index in range(batch):
+        if index % group_size == 0:
+            prompt = torch.randint(0, vocab_size, (prompt_len,), generator=generator).tolist()
+        sampled = int(torch.randint(fewest, most + 1, (1,), generator=generator))
+        tokens = prompt + torch.randint(0, vocab_size, (sampled,), generator=generator).tolist()
+        datums.append(Datum(
+            input_ids=tokens[:-1],
+            target_ids=tokens[1:],
+            weights=[0.0] * (prompt_len - 1) + [1.0] * sampled,
+            behaviour_logprobs=[-10.0] * (len(tokens) - 1),
             advantage=1.0 if index % 2 else -1.0,
             prompt_len=prompt_len,
         ))
@@ -132,22 +169,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_layout(model, datums, args, device, packed: bool) -> float:
-    """Seconds per optimizer step, averaged over `args.steps` after `args.warmup`."""
+def time_layout(model, datums, args, device, layout: str) -> tuple[float, float, float]:
+    """Seconds per optimizer step and of its `forward_backward` alone, averaged over `args.steps` after
+    `args.warmup`; tokens computed per step."""
     cfg = TrainerConfig(learning_rate=1e-6, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-                        precision=args.precision, pack_sequences=packed,
-                        gradient_checkpointing=args.gradient_checkpointing, compile_layers=args.compile_layers)
+                        precision=args.precision, gradient_checkpointing=args.gradient_checkpointing,
+                        compile_layers=args.compile_layers, **LAYOUTS[layout])
     trainer = Trainer(model, cfg)
     for _ in range(args.warmup):
         trainer.forward_backward(datums, pg_loss)
         trainer.optim_step()
-    synchronize(device)
-    start = time.perf_counter()
+    step_s = fwd_bwd_s = 0.0
     for _ in range(args.steps):
-        trainer.forward_backward(datums, pg_loss)
+        synchronize(device)
+        start = time.perf_counter()
+        computed = trainer.forward_backward(datums, pg_loss)["tokens_computed"]
+        synchronize(device)
+        fwd_bwd_s += time.perf_counter() - start
         trainer.optim_step()
-    synchronize(device)
-    return (time.perf_counter() - start) / args.steps
+        synchronize(device)
+        step_s += time.perf_counter() - start
+    return step_s / args.steps, fwd_bwd_s / args.steps, computed
 
 
 def main() -> None:
@@ -155,7 +197,10 @@ def main() -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = weight_dtype(TrainerConfig(precision=args.precision), device)
     model = build_model(args, device, dtype)
-    datums = rl_shaped_datums(args.batch, args.seq_len, model.config.vocab_size)
+    if args.workload == "uneven":
+        datums = rl_shaped_datums(args.batch, args.seq_len, model.config.vocab_size)
+    else:
+        datums = grouped_datums(args.batch, args.group_size, args.workload, model.config.vocab_size)
     tokens = sum(len(d.input_ids) for d in datums)
     flops = useful_flops(model, datums)
     peak = device_peak_tflops(device, args.peak_tflops)
@@ -164,22 +209,26 @@ def main() -> None:
         f"model={args.shape or args.model or SMOLLM2_ALIAS} params={params / 1e6:.1f}M device={device} "
         f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) weights={dtype} "
         f"precision={args.precision} attn={args.attn} compile_layers={args.compile_layers} "
-        f"batch={args.batch} seq_len<={args.seq_len} "
+        f"workload={args.workload} batch={args.batch} "
+        f"{f'seq_len<={args.seq_len}' if args.workload == 'uneven' else f'group_size={args.group_size}'} "
         f"tokens/step={tokens} max_tokens_per_microbatch={args.max_tokens_per_microbatch} "
         f"torch={torch.__version__} threads={torch.get_num_threads()}"
     )
-    step_s = {}
+    step_s, fwd_bwd_s = {}, {}
     for layout in args.layouts.split(","):
-        step_s[layout] = time_layout(model, datums, args, device, packed=layout == "packed")
-        line = f"{layout:7s} step_s={step_s[layout]:.3f} train_tokens_per_s={tokens / step_s[layout]:.0f}"
+        step_s[layout], fwd_bwd_s[layout], computed = time_layout(model, datums, args, device, layout)
+        line = f"{layout:7s} step_s={step_s[layout]:.3f} fwd_bwd_s={fwd_bwd_s[layout]:.3f}"
+        line += f" train_tokens_per_s={tokens / step_s[layout]:.0f} computed={computed:.0f}"
         line += f" useful_tflops={flops / step_s[layout] / 1e12:.2f}"
         if peak:
             line += f" mfu={flops / step_s[layout] / (peak * 1e12):.3f} (peak {peak} TFLOP/s)"
         if device.type == "cuda":
             line += f" peak_mem_gb={torch.cuda.max_memory_allocated(device) / 2**30:.1f}"
         print(line, flush=True)
-    if {"padded", "packed"} <= step_s.keys():
-        print(f"packed_over_padded_speedup={step_s['padded'] / step_s['packed']:.2f}x")
+    for layout in ("packed", "shared"):
+        if {"padded", layout} <= step_s.keys():
+            print(f"{layout}_over_padded_speedup={step_s['padded'] / step_s[layout]:.2f}x "
+                  f"(forward_backward alone {fwd_bwd_s['padded'] / fwd_bwd_s[layout]:.2f}x)")
 
 
 if __name__ == "__main__":

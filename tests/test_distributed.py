@@ -299,7 +299,8 @@ def test_logprobs_and_first_gradient_match_one_process(two_ranks):
         assert (seen["grads"][name] - grad).abs().max() <= 1e-5, name
     assert seen["grad_metrics"].keys() == metrics.keys()
     for name, value in metrics.items():
-        assert seen["grad_metrics"][name] == pytest.approx(value, abs=1e-5), name
+        if name != "tokens_computed":  # each rank pads its own share of the micro-batches
+            assert seen["grad_metrics"][name] == pytest.approx(value, abs=1e-5), name
 
 
 def test_short_run_matches_one_process(two_ranks):

@@ -77,7 +77,8 @@ def test_static_step_passes_the_check_and_the_engine_keeps_it(tiny, eager_output
             assert engine._batch is None and engine._rows == []
             assert engine.stats == dict.fromkeys(
                 ["requests", "output_tokens", "decode_steps", "prefills", "weight_updates", "graph_captures",
-                 "graph_replays"], 0)
+                 "graph_replays", "prompt_tokens", "prefill_tokens", "prefix_cache_hit_tokens", "prefill_time_s",
+                 "decode_time_s"], 0)
         finally:
             engine.close()
     assert engine_warnings(caplog) == []

@@ -22,6 +22,8 @@ instead re-concatenates the whole cache every step). Live rows are the first B s
   only the moved rows are copied, and the caller reorders its own row list the same way.
 - When every live row has a long stretch of padding on its left (the rows that needed
   the width are gone), `maybe_trim` rebuilds the batch without it.
+- A prefill may start from keys/values computed before for a prompt's first tokens (the
+  engine's prefix cache): they fill the first columns, and only the rest is fed (`prefill`).
 
 A batch with `stable_buffers` (what captured CUDA-graph steps need, `graphs.py`) keeps its
 buffers for good: rebuilds copy into them, columns grow by doubling, and an emptied batch is
@@ -142,20 +144,39 @@ class KVBatch:
             layer._refresh_views()
 
     @classmethod
-    def prefill(cls, model, prompts_P: Sequence[Sequence[int]]) -> tuple[KVBatch, torch.Tensor]:
-        """Run the prompts through the model, left-padded; return the batch and last-token logits (P, V)."""
-        device = model.device
-        width = max(len(p) for p in prompts_P)
+    def prefill(
+        cls, model, prompts_P: Sequence[Sequence[int]], cached_P: Sequence[torch.Tensor | None] | None = None
+    ) -> tuple[KVBatch, torch.Tensor]:
+        """Run the prompts through the model, left-padded; return the batch and last-token logits (P, V).
+
+        `cached_P[i]`, if given and not None, holds the keys/values (layers, 2, H, m, D) of
+        `prompts_P[i][:m]` (a `PrefixCache` match): only the rest of that prompt is fed, after
+        them. Every row with cached tokens must have the same number of tokens left, the most
+        of any row, so that no row has padding between its cached and its new tokens:
+        `usable_prefix_lengths` says how much of each match that allows.
+        """
+        cached_P = cached_P if cached_P is not None else [None] * len(prompts_P)
+        reused_P = [0 if kv is None else kv.shape[3] for kv in cached_P]
+        new_P = [len(p) - m for p, m in zip(prompts_P, reused_P, strict=True)]
+        width = max(new_P)
+        if any(m and n != width for m, n in zip(reused_P, new_P)) or min(new_P) < 1:
+            raise ValueError(f"cached prefixes leave {new_P} new tokens of prompts {[len(p) for p in prompts_P]}; "
+                             "rows with cached tokens need the most of them and at least one")
+        past = max(reused_P)
         ids = torch.zeros(len(prompts_P), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts_P), width, dtype=torch.long)
-        for i, prompt in enumerate(prompts_P):
-            ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[i, width - len(prompt) :] = 1
+        mask = torch.zeros(len(prompts_P), past + width, dtype=torch.long)
+        for i, (prompt, m) in enumerate(zip(prompts_P, reused_P)):
+            ids[i, width - len(prompt) + m :] = torch.tensor(prompt[m:], dtype=torch.long)
+            mask[i, past + width - len(prompt) :] = 1
+        device = model.device
         ids, mask = ids.to(device), mask.to(device)
         # Pad positions get position 0; they are masked out, so the value only has to be valid.
-        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-        layers = [SlotLayer(None, None, len(prompts_P), 0) for _ in range(_num_layers(model))]
-        batch = cls(layers, mask, mask.sum(-1), len(prompts_P), 0)
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)[:, past:]
+        if past:
+            layers = _cached_layers(cached_P, past, width + _GROW_COLUMNS)
+        else:
+            layers = [SlotLayer(None, None, len(prompts_P), 0) for _ in range(_num_layers(model))]
+        batch = cls(layers, mask, mask.sum(-1), len(prompts_P), past)
         out = model(
             input_ids=ids,
             attention_mask=mask,
@@ -168,11 +189,20 @@ class KVBatch:
         # is still NaN, so make sure whatever attention produced at pad positions is finite.
         pad = (mask == 0)[:, None, :, None]
         for layer in layers:
-            layer.keys_buf[:, :, :width].masked_fill_(pad, 0.0)
-            layer.values_buf[:, :, :width].masked_fill_(pad, 0.0)
-        batch.length = width
+            layer.keys_buf[:, :, : past + width].masked_fill_(pad, 0.0)
+            layer.values_buf[:, :, : past + width].masked_fill_(pad, 0.0)
+        batch.length = past + width
         batch.mask_buf = _pad_columns(mask, layers[0].keys_buf.shape[2])
         return batch, out.logits[:, -1, :]
+
+    def row_kv(self, row: int, tokens: int) -> torch.Tensor:
+        """A copy of the keys/values of row `row`'s last `tokens` tokens: (layers, 2, H, tokens, D)."""
+        L, first = self.length, self.layers[0].keys_buf
+        out = first.new_empty(len(self.layers), 2, first.shape[1], tokens, first.shape[3])
+        for i, layer in enumerate(self.layers):
+            out[i, 0] = layer.keys_buf[row, :, L - tokens : L]
+            out[i, 1] = layer.values_buf[row, :, L - tokens : L]
+        return out
 
     @property
     def column_capacity(self) -> int:
@@ -325,6 +355,29 @@ class KVBatch:
             mask[dst, width - w : width] = batch.mask_buf[:, src].index_select(0, index)
             next_pos[dst] = batch.next_pos.index_select(0, index)
         return KVBatch(layers, mask, next_pos, total, width)
+
+
+def usable_prefix_lengths(prompt_lengths: Sequence[int], matched: Sequence[int]) -> list[int]:
+    """How many of each prompt's `matched` cached tokens one prefill forward can use (`KVBatch.prefill`).
+
+    The forward feeds every row as many new tokens as the row with the most left, so a row with a
+    longer match recomputes its last few cached tokens instead of padding: the same cost, and its
+    cached and new tokens stay adjacent. A prompt shorter than that is fed whole.
+    """
+    width = max(n - m for n, m in zip(prompt_lengths, matched, strict=True))
+    return [max(0, n - width) for n in prompt_lengths]
+
+
+def _cached_layers(cached_P: Sequence[torch.Tensor | None], past: int, spare: int) -> list[SlotLayer]:
+    """Layers holding each row's cached keys/values right-aligned in the first `past` columns, with `spare`
+    columns more for the tokens to feed."""
+    like = next(kv for kv in cached_P if kv is not None)
+    layers, _, heads, _, dim = like.shape
+    buf = like.new_zeros(layers, 2, len(cached_P), heads, past + spare, dim)
+    for row, kv in enumerate(cached_P):
+        if kv is not None:
+            buf[:, :, row, :, past - kv.shape[3] : past] = kv
+    return [SlotLayer(buf[i, 0], buf[i, 1], len(cached_P), past) for i in range(layers)]
 
 
 def _pad_columns(mask: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The embedded inference engine: continuous batching on its own thread, awaited from asyncio.
 
-One thread owns the model: it admits queued requests (`sequences.py`) into the running batch,
-runs one decode step for all rows, and applies weight updates between two steps. Why this is our
+One thread owns the model: it admits queued requests (`sequences.py`) into the running batch
+(prefilling only what the prefix cache does not hold, `prefix_cache.py`), runs one decode step
+for all rows, and applies weight updates between two steps. Why this is our
 own loop and not transformers' `ContinuousBatchingManager`, how the loop works, and its
 thread-safety rules: docs/engine-decode-loop.md.
 """
@@ -17,16 +18,18 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from training.utils.config import DeploymentConfig
 from training.utils.deploy.completion import Completion
-from training.utils.deploy.decode import KVBatch, SamplingParams_B, sample_next
-from training.utils.deploy.graphs import DecodeSteps, checked_decode_mode
+from training.utils.deploy.decode import KVBatch, SamplingParams_B, sample_next, usable_prefix_lengths
+from training.utils.deploy.graphs import decode_steps_for
+from training.utils.deploy.prefix_cache import PrefixCache
 from training.utils.deploy.sequences import SequenceGroup, SequenceState, make_group, sampling_params
-from training.utils.errors import ConfigError, DeploymentError, RecoverableDeploymentError
+from training.utils.errors import DeploymentError, RecoverableDeploymentError
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +100,12 @@ class Engine:
         self._rows: list[SequenceState] = []
         self._params_B: SamplingParams_B | None = None
         self._split_cost_tokens = _PREFILL_SPLIT_COST_TOKENS if self.model.device.type == "cpu" else None
-        self.stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0, "weight_updates": 0}
-        self._steps = _decode_steps(self.model, cfg, self.stats)
+        self._prefix_cache = PrefixCache(cfg.prefix_cache_tokens) if cfg.prefix_cache_tokens else None
+        # Cumulative; prompt_tokens = prefill_tokens + prefix_cache_hit_tokens (a request's prompt counts once).
+        self.stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0, "weight_updates": 0,
+                      "prompt_tokens": 0, "prefill_tokens": 0, "prefix_cache_hit_tokens": 0,
+                      "prefill_time_s": 0.0, "decode_time_s": 0.0}
+        self._steps = decode_steps_for(self.model, cfg, self.stats)
         self._thread = threading.Thread(target=self._run, name="deploy-engine", daemon=True)
         self._thread.start()
 
@@ -256,9 +263,9 @@ class Engine:
                     self._drop_cancelled_rows()
                     with torch.inference_mode():
                         if admitted:
-                            self._prefill(admitted)
+                            self._timed("prefill_time_s", self._prefill, admitted)
                         if self._rows:
-                            self._decode()
+                            self._timed("decode_time_s", self._decode)
                 except Exception as e:  # noqa: BLE001 - a failed step fails its requests, the engine keeps serving
                     logger.exception("engine step failed; failing %d in-flight sequences", len(self._rows))
                     self._fail_rows(DeploymentError(f"engine decode step failed: {e!r}"), admitted)
@@ -312,7 +319,14 @@ class Engine:
             admitted.append(self._pending.popleft())
         return admitted
 
+    def _timed(self, key: str, step, *args) -> None:
+        start = time.perf_counter()
+        step(*args)  # a step ends with sampling's host sync, so on a GPU this is its device time too
+        self.stats[key] += time.perf_counter() - start
+
     def _apply_update(self, job: _WeightUpdate) -> None:
+        if self._prefix_cache is not None:
+            self._prefix_cache.clear()  # tokens sampled from now on must not attend to the old weights' keys
         try:
             with torch.no_grad():
                 torch._foreach_copy_(job.dst, job.src)
@@ -327,20 +341,44 @@ class Engine:
             job.done.set()
 
     def _prefill(self, admitted: list[SequenceState]) -> None:
-        groups = list(dict.fromkeys(seq.group for seq in admitted))  # each prompt once, in order
-        # Longest prompts first: the later, shorter forwards then fit the batch's width in place.
-        for chunk in _split_by_length([len(g.prompt_ids) for g in groups], self._split_cost_tokens):
-            members = {groups[i] for i in chunk}
-            self._prefill_chunk([groups[i] for i in chunk], [seq for seq in admitted if seq.group in members])
+        """Prefill the prompts of the `admitted` sequences' requests, each distinct prompt once; start decoding them.
 
-    def _prefill_chunk(self, groups: list[SequenceGroup], admitted: list[SequenceState]) -> None:
-        """Prefill the prompts of `groups` in one forward; append `admitted` (their sequences) to the batch."""
-        new, logits_P = KVBatch.prefill(self.model, [g.prompt_ids for g in groups])
+        With the prefix cache, requests with equal prompts share one prefill row, and a prompt
+        starting with cached tokens feeds only the rest (`prefix_cache.py`).
+        """
+        by_prompt: dict[tuple[int, ...] | int, list[SequenceGroup]] = {}  # a distinct prompt -> its requests
+        for group in dict.fromkeys(seq.group for seq in admitted):
+            key = tuple(group.prompt_ids) if self._prefix_cache is not None else id(group)
+            by_prompt.setdefault(key, []).append(group)
+        groups_U = list(by_prompt.values())
+        matches_U = [self._prefix_cache.match(gs[0].prompt_ids) if self._prefix_cache is not None else (None, 0)
+                     for gs in groups_U]
+        # Longest remainders first: the later, shorter forwards then fit the batch's width in place.
+        new_U = [len(gs[0].prompt_ids) - m for gs, (_, m) in zip(groups_U, matches_U)]
+        for chunk in _split_by_length(new_U, self._split_cost_tokens):
+            members = {g for i in chunk for g in groups_U[i]}
+            self._prefill_chunk([groups_U[i] for i in chunk], [matches_U[i] for i in chunk],
+                                [seq for seq in admitted if seq.group in members])
+
+    def _prefill_chunk(
+        self, groups_U: list[list[SequenceGroup]], matches_U: list[tuple[torch.Tensor | None, int]],
+        admitted: list[SequenceState],
+    ) -> None:
+        """Prefill distinct prompts in one forward (`groups_U`: the requests of each, `matches_U`: its cached
+        prefix); append `admitted` (their sequences) to the batch."""
+        prompts = [gs[0].prompt_ids for gs in groups_U]
+        used = usable_prefix_lengths([len(p) for p in prompts], [m for _, m in matches_U])
+        cached = [kv[:, :, :, :u] if u else None for (kv, _), u in zip(matches_U, used)]
+        new, logits_P = KVBatch.prefill(self.model, prompts, cached)
         self.stats["prefills"] += 1
-        index = {id(g): i for i, g in enumerate(groups)}
+        self._count_prompt_tokens(prompts, groups_U, used)
+        if self._prefix_cache is not None:
+            for i, prompt in enumerate(prompts):
+                self._prefix_cache.add(prompt, partial(new.row_kv, i, len(prompt)))
+        index = {id(g): i for i, gs in enumerate(groups_U) for g in gs}
         rows = [index[id(seq.group)] for seq in admitted]
-        if rows != list(range(len(groups))):
-            new = KVBatch.gather([(new, rows)])  # n > 1: one prefill, copied to n rows
+        if rows != list(range(len(prompts))):
+            new = KVBatch.gather([(new, rows)])  # n > 1 or equal prompts: one prefill, copied to each row
             logits_P = logits_P[torch.tensor(rows, device=logits_P.device)]
         params = sampling_params(admitted, logits_P.device)
         capacity = self.cfg.max_batch_requests
@@ -351,6 +389,13 @@ class Engine:
         self._rows = self._rows + admitted
         self._params_B = None
         self._record(admitted, logits_P, params, first_row=len(self._rows) - len(admitted))
+
+    def _count_prompt_tokens(self, prompts: list[list[int]], groups_U: list[list[SequenceGroup]], used: list[int]):
+        """Prompt tokens by where their keys/values came from: this forward, the cache, or an equal prompt's row."""
+        self.stats["prompt_tokens"] += sum(len(p) * len(gs) for p, gs in zip(prompts, groups_U))
+        self.stats["prefill_tokens"] += sum(len(p) - u for p, u in zip(prompts, used))
+        self.stats["prefix_cache_hit_tokens"] += sum(u + len(p) * (len(gs) - 1)
+                                                     for p, gs, u in zip(prompts, groups_U, used))
 
     def _decode(self) -> None:
         tokens = torch.tensor([seq.output_ids[-1] for seq in self._rows], device=self.model.device)
@@ -382,6 +427,8 @@ class Engine:
 
     def _retire(self, rows: list[int]) -> None:
         done = [self._rows[i] for i in rows]
+        if self._prefix_cache is not None:
+            self._keep_prefixes(rows)
         if len(rows) == len(self._rows) and self._steps is None:
             self._rows, self._batch = [], None
         else:
@@ -391,6 +438,15 @@ class Engine:
         self._params_B = None
         for seq in done:
             self._seq_done(seq)
+
+    def _keep_prefixes(self, rows: list[int]) -> None:
+        """Cache the keys/values of finished rows computed on the current weights (for a next turn)."""
+        for i in rows:
+            seq = self._rows[i]
+            if seq.finish_reason == "abort" or seq.versions[0] != self._version:
+                continue  # cancelled, or begun before a weight update: its first keys are the old weights'
+            tokens = seq.group.prompt_ids + seq.output_ids[:-1]  # the last sampled token was never fed
+            self._prefix_cache.add(tokens, partial(self._batch.row_kv, i, len(tokens)))
 
     def _seq_done(self, seq: SequenceState) -> None:
         group = seq.group
@@ -472,26 +528,6 @@ class Engine:
         if not dst:
             raise ValueError("update_weights: no tensors given")
         return dst, used
-
-
-def _decode_steps(model, cfg: DeploymentConfig, stats: dict[str, int]) -> DecodeSteps | None:
-    """Static-shape decode steps for `cfg.decode_steps` (captured on CUDA), or None for eager steps.
-
-    Static-shape steps are used only if they pass the start-up self-check (`graphs.checked_decode_mode`);
-    otherwise the engine runs eager steps, with a warning.
-    """
-    mode = cfg.decode_steps
-    if mode == "auto":
-        mode = "graphs" if model.device.type == "cuda" else "eager"
-    if mode == "eager":
-        return None
-    if mode == "graphs" and model.device.type != "cuda":
-        raise ConfigError(
-            f"deployment.decode_steps='graphs' needs a CUDA device; the engine model is on {model.device}"
-        )
-    if checked_decode_mode(model, mode, requested=cfg.decode_steps) == "eager":
-        return None
-    return DecodeSteps(model, cfg.max_batch_requests, capture=mode == "graphs", stats=stats)
 
 
 def read_safetensors(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:

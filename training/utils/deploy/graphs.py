@@ -35,7 +35,9 @@ import logging
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from training.utils.config import DeploymentConfig
 from training.utils.deploy.decode import KVBatch, SlotLayer, next_power_of_two
+from training.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -237,3 +239,23 @@ def checked_decode_mode(model, mode: str, requested: str) -> str:
         return mode
     logger.warning(fallback_warning(mode, requested, failure))
     return "eager"
+
+
+def decode_steps_for(model, cfg: DeploymentConfig, stats: dict[str, int]) -> DecodeSteps | None:
+    """The engine's static-shape decode steps for `cfg.decode_steps` (captured on CUDA), or None for eager steps.
+
+    Static-shape steps are used only if they pass the start-up self-check (`checked_decode_mode`);
+    otherwise the engine runs eager steps, with a warning.
+    """
+    mode = cfg.decode_steps
+    if mode == "auto":
+        mode = "graphs" if model.device.type == "cuda" else "eager"
+    if mode == "eager":
+        return None
+    if mode == "graphs" and model.device.type != "cuda":
+        raise ConfigError(
+            f"deployment.decode_steps='graphs' needs a CUDA device; the engine model is on {model.device}"
+        )
+    if checked_decode_mode(model, mode, requested=cfg.decode_steps) == "eager":
+        return None
+    return DecodeSteps(model, cfg.max_batch_requests, capture=mode == "graphs", stats=stats)

@@ -14,6 +14,11 @@ reported (a request that spans a weight sync has tokens of two versions).
 - `samples_per_s`: trained runs / step_time; `train_tokens_per_s`: trained tokens / train_time;
 - `train_tokens`: the trained datums' tokens (the trainer's own phase times come from `train_step.PHASES`).
 
+With the embedded deployment, its engine's counters since the previous step (`EngineCounters`):
+`prompt_tokens` (each request's prompt), `engine_prefill_tokens` (the part computed) and
+`prefix_cache_hit_tokens` (the part reused; the two add up to `prompt_tokens`), and the engine
+thread's `engine_prefill_time` / `engine_decode_time`. External servers report none of them.
+
 `rollout/inference_drift_k1|k3`: how far the distribution the engine sampled from (`logprobs`, μ)
 is from its raw one (`raw_logprobs`, before temperature and top-p/top-k; ρ), on the trained tokens
 of the runs that report raw logprobs.
@@ -21,9 +26,21 @@ of the runs that report raw logprobs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
+from training.utils.deploy import Deployment, EmbeddedDeployment
 from training.utils.rl.rollout.types import PromptGroup, RolloutRun
+
+ENGINE_COUNTERS = {
+    "prompt_tokens": "perf/prompt_tokens",
+    "prefill_tokens": "perf/engine_prefill_tokens",
+    "prefix_cache_hit_tokens": "perf/prefix_cache_hit_tokens",
+    "prefill_time_s": "perf/engine_prefill_time",
+    "decode_time_s": "perf/engine_decode_time",
+}
+"""The embedded engine's cumulative `stats` keys -> the per-step metric of their increase."""
 
 
 def version_offset_metrics(groups: list[PromptGroup], trained_against_version: int) -> dict[str, float]:
@@ -79,3 +96,19 @@ def inference_drift_metrics(runs: list[RolloutRun]) -> dict[str, float]:
         "rollout/inference_drift_k1": float(np.mean(d)),
         "rollout/inference_drift_k3": float(np.mean(np.expm1(-d) + d)),
     }
+
+
+@dataclass
+class EngineCounters:
+    """Per-step increases of the embedded engine's counters (`ENGINE_COUNTERS`); the first step's count from
+    the engine's start, so they include the evaluation before it."""
+
+    last: dict[str, float] = field(default_factory=dict)
+
+    def step_metrics(self, deployment: Deployment) -> dict[str, float]:
+        if not isinstance(deployment, EmbeddedDeployment):
+            return {}
+        now = {key: float(deployment.engine.stats[key]) for key in ENGINE_COUNTERS}
+        metrics = {name: now[key] - self.last.get(key, 0.0) for key, name in ENGINE_COUNTERS.items()}
+        self.last = now
+        return metrics

@@ -113,8 +113,8 @@ def make_loss_fn(cfg: RLConfig, *, normalised: bool = True):
 
 def reduce_metrics(records: list[tuple[dict[str, float], float]]) -> dict[str, float]:
     """The one rule for combining metrics over micro-batches, chunks or optimizer steps: `_min`/`_max`
-    take extremes, `skipped` adds up, the rest is the mean weighted by each record's weight (tokens
-    for chunks, 1 for optimizer steps; an unweighted mean when every weight is 0)."""
+    take extremes, `skipped` and `tokens_computed` add up, the rest is the mean weighted by each record's
+    weight (tokens for chunks, 1 for optimizer steps; an unweighted mean when every weight is 0)."""
     combined = {}
     for name in dict.fromkeys(name for metrics, _ in records for name in metrics):
         pairs = [(metrics[name], weight) for metrics, weight in records if name in metrics]
@@ -124,7 +124,7 @@ def reduce_metrics(records: list[tuple[dict[str, float], float]]) -> dict[str, f
             combined[name] = min(values)
         elif name.endswith("_max"):
             combined[name] = max(values)
-        elif name == "skipped":
+        elif name in ("skipped", "tokens_computed"):
             combined[name] = float(sum(values))
         elif total:
             combined[name] = sum(value * weight for value, weight in pairs) / total
@@ -220,7 +220,9 @@ def ppo_update(
 
 
 def train_metrics(metrics: dict[str, float], policy: Trainer, *, optimizer_steps: int) -> dict[str, float]:
-    return {f"train/{k}": v for k, v in metrics.items()} | {
+    # The training passes' tokens through the model, beside perf/train_tokens (the datums' own).
+    names = {k: "perf/train_tokens_computed" if k == "tokens_computed" else f"train/{k}" for k in metrics}
+    return {names[k]: v for k, v in metrics.items()} | {
         "train/optimizer_steps": float(optimizer_steps),
         "train/skipped_steps_total": float(policy.skipped_steps),
     }

@@ -41,6 +41,7 @@ from training.utils.rl.groups import SettledRow
 from training.utils.rl.health import RunHealth
 from training.utils.rl.resume import check_resumable, run_settings
 from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
+from training.utils.rl.telemetry import EngineCounters
 from training.utils.rl.wiring import (
     checkpoint,
     deploy_policy,
@@ -84,6 +85,7 @@ class TrainingRun:
     rollout_fn: Callable
     evaluation_fn: Callable | None
     health: RunHealth = field(default_factory=RunHealth)
+    engine_counters: EngineCounters = field(default_factory=EngineCounters)
     resume_state: Callable[[], dict[str, Any]] = dict
     """Set by the loop: what a checkpoint stores besides the weights (the data cursor, ...)."""
     step: int = 0
@@ -129,6 +131,7 @@ class TrainingRun:
         every `dcp_save_interval` steps."""
         self.step = step
         self.samples_trained += int(metrics.get("batch/samples", 0))
+        metrics |= self.engine_counters.step_metrics(self.deployment)
         if self.cfg.eval_interval and step % self.cfg.eval_interval == 0:
             metrics |= await evaluate(self.evaluation_fn, self.setup, step, None, self.cfg)
             self.evaluated_step = step

@@ -1,8 +1,9 @@
 """Datums and micro-batches: what the trainer computes on, and how a call's datums are laid out.
 
 - `Datum`: one rollout segment shifted by one for next-token training.
-- `plan_microbatches`: which datums share a micro-batch under the token budget.
-- `collate`: a micro-batch's tensors, right-padded, or packed end to end in one row.
+- `plan_microbatches`: which datums (or prefix bundles) share a micro-batch under the token budget.
+- `collate`: a micro-batch's tensors, right-padded, or packed end to end in one row, or with shared
+  prefixes computed once (`shared_prefix`); the loss sees the same per-datum grid in every layout.
 - `MicroBatch`: what a loss function sees.
 """
 
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
+
+from training.utils import distributed
+from training.utils.trainer.shared_prefix import PrefixBundle, shared_layout
 
 
 @dataclass
@@ -70,7 +74,9 @@ class PaddedBatch:
 
     The model sees `input_ids` with `attention_mask` and `position_ids`: the padded grid itself,
     or (packed) one row of the datums end to end, without a mask, position ids restarting at each
-    datum. `hidden_index` says where each of `positions` is in the model's flattened output.
+    datum, or (shared prefixes) a `SharedLayout` whose mask the trainer builds from `sequence_ids`
+    and `segment_ids` for its attention. `hidden_index` says where each of `positions` is in the
+    model's flattened output.
     """
 
     input_ids: Tensor
@@ -85,6 +91,10 @@ class PaddedBatch:
     """(N,) flat indices of the tokens whose logprob is computed."""
     hidden_index: Tensor
     """(N,) the same tokens' flat indices in the model's input."""
+    sequence_ids: Tensor | None = None
+    """With shared prefixes: `SharedLayout.sequence_ids`, else None."""
+    segment_ids: Tensor | None = None
+    """With shared prefixes: `SharedLayout.segment_ids`, else None."""
 
     @property
     def shape(self) -> torch.Size:
@@ -101,7 +111,8 @@ class PaddedBatch:
 
 
 def plan_microbatches(lengths: list[int], max_tokens: int, *, packed: bool = False) -> list[list[int]]:
-    """Group datums into micro-batches of at most `max_tokens` computed tokens; returns lists of indices.
+    """Group rows (datums, or prefix bundles) into micro-batches of at most `max_tokens` computed tokens;
+    returns lists of indices.
 
     Padded (default): longest first, fill each micro-batch while longest × count ≤ max_tokens.
     Packed: first-fit decreasing on the sum of lengths (a packed row holds no padding).
@@ -130,6 +141,24 @@ def plan_microbatches(lengths: list[int], max_tokens: int, *, packed: bool = Fal
         current.append(index)
     microbatches.append(current)
     return microbatches
+
+
+def plan_ranks(
+    bundles: list[PrefixBundle], max_tokens: int, *, packed: bool, world: int
+) -> list[list[list[PrefixBundle]]]:
+    """Each of `world` ranks' micro-batches: its share of the bundles (`distributed.rank_shares`,
+    balanced by tokens, the same on every rank), planned by `plan_microbatches`."""
+    lengths = [bundle.length for bundle in bundles]
+    return [
+        [[bundles[share[i]] for i in mb] for mb in plan_microbatches([lengths[i] for i in share], max_tokens,
+                                                                       packed=packed)] if share else []
+        for share in distributed.rank_shares(lengths, world)
+    ]
+
+
+def computed_tokens(lengths: list[int], *, packed: bool) -> int:
+    """Tokens a micro-batch of rows of these lengths runs through the model, padding included."""
+    return sum(lengths) if packed else len(lengths) * max(lengths)
 
 
 def check_datums(datums: list[Datum]) -> None:
@@ -172,20 +201,28 @@ def pad_rows(rows: list, dtype: torch.dtype) -> Tensor:
 
 
 def collate(
-    datums: list[Datum], indices: list[int], extras: dict[str, list], *, trained_only: bool, packed: bool
+    datums: list[Datum], bundles: list[PrefixBundle], extras: dict[str, list], *, trained_only: bool, packed: bool
 ) -> PaddedBatch:
-    """Pad (or pack) the selected datums on the CPU; pick the positions whose logprob is needed.
+    """Pad (or pack) the bundled datums on the CPU; pick the positions whose logprob is needed.
 
-    `trained_only` keeps positions with non-zero weight (the only ones a loss can use), else all
-    real tokens. Positions are found on the CPU so the device never syncs to size them.
+    Rows of the loss's grid are the datums bundle by bundle. `trained_only` keeps positions with
+    non-zero weight (the only ones a loss can use), else all real tokens. Positions are found on
+    the CPU so the device never syncs to size them. A micro-batch without a bundle of several
+    datums keeps the plain padded or packed layout.
     """
+    indices = [index for bundle in bundles for index in bundle.indices]
     chosen = [datums[i] for i in indices]
     input_ids = pad_rows([d.input_ids for d in chosen], torch.long)
     attention_mask = pad_rows([[1] * len(d.input_ids) for d in chosen], torch.long)
     weights = pad_rows([d.weights for d in chosen], torch.float32)
     positions = (weights != 0 if trained_only else attention_mask.bool()).flatten().nonzero().squeeze(1)
-    position_ids, hidden_index = None, positions
-    if packed:
+    position_ids, hidden_index, sequence_ids, segment_ids = None, positions, None, None
+    if any(len(bundle.indices) > 1 for bundle in bundles):
+        layout = shared_layout([d.input_ids for d in datums], bundles, packed=packed)
+        input_ids, attention_mask, position_ids = layout.input_ids, None, layout.position_ids
+        sequence_ids, segment_ids = layout.sequence_ids, layout.segment_ids
+        hidden_index = pad_rows(layout.token_index_D, torch.long).flatten()[positions]
+    elif packed:
         lengths = torch.tensor([len(d.input_ids) for d in chosen])
         input_ids = input_ids[attention_mask.bool()][None]
         position_ids = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
@@ -204,8 +241,9 @@ def collate(
         extras={name: pad_rows([rows[i] for i in indices], torch.float32) for name, rows in extras.items()},
         positions=positions,
         hidden_index=hidden_index,
+        sequence_ids=sequence_ids,
+        segment_ids=segment_ids,
     )
-
 
 
 def filler_batch() -> PaddedBatch:

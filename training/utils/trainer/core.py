@@ -4,6 +4,8 @@ One `Trainer` wraps one Hugging Face causal LM on one device:
 - `logprobs(datums)`: no-grad per-token logprobs (and optionally entropies) of the targets;
 - `forward_backward(datums, loss_fn)`: length-bucketed micro-batches, each a forward, a
   user loss and a `backward()`, so gradients accumulate over the whole call;
+- with `cfg.share_prefixes`, datums that begin alike are computed as one row, their common prefix
+  once (`shared_prefix`), giving the logprobs, entropies and gradients of the datums apart;
 - `optim_step()`: AdamW with norm clipping and an LR schedule, skipping a step whose gradient or
   update is not finite;
 - `state_dict_for_inference()` / `save_hf(path)`: hand the weights to an inference engine.
@@ -50,8 +52,9 @@ from training.utils.trainer.batching import (
     check_extras,
     check_temperature,
     collate,
+    computed_tokens,
     filler_batch,
-    plan_microbatches,
+    plan_ranks,
 )
 from training.utils.trainer.compiled import CompiledLayers, compiled_logprob_mismatch
 from training.utils.trainer.optim import (
@@ -63,6 +66,7 @@ from training.utils.trainer.optim import (
     update_may_overflow,
 )
 from training.utils.trainer.sharding import MetricTotals, ShardedRoot, gather_to_main, unsharded_copy
+from training.utils.trainer.shared_prefix import PrefixBundle, PrefixSharing, prefix_bundles, shared_prefix_mask
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +105,6 @@ def _scatter(values_N: Tensor, positions_N: Tensor, shape: torch.Size) -> Tensor
     return flat.view(shape)
 
 
-
 class Trainer:
     """A policy (trainable) or reference (frozen) model with logprob, gradient and optimizer steps.
 
@@ -137,6 +140,7 @@ class Trainer:
         self.precision = resolve_precision(cfg, self.device)
         self._sharded_root: ShardedRoot | None = None
         self.compiled_layers: CompiledLayers | None = None
+        self.prefix_sharing = PrefixSharing.for_model(cfg.share_prefixes, model)  # None: each datum alone
         dtype = weight_dtype(cfg, self.device)
         if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
             # Load in this dtype to avoid the conversion (from bf16 it cannot restore lost precision).
@@ -176,23 +180,22 @@ class Trainer:
 
     # ---- forward passes -------------------------------------------------------------
 
-    def _microbatches(self, lengths: list[int]) -> list[list[int] | None]:
-        """This rank's micro-batches, as indices into the call's datums; all of them in one process.
+    def _microbatches(self, datums: list[Datum]) -> tuple[list[list[PrefixBundle] | None], int]:
+        """This rank's micro-batches, as lists of bundles (`prefix_bundles`, or each datum alone); all of
+        them in one process. Also the tokens every rank's micro-batches together run through the model.
 
-        Under torchrun every rank gets the same datums and keeps its share (`distributed.rank_shares`),
+        Under torchrun every rank gets the same datums and keeps its share of the bundles (`plan_ranks`),
         and pads its plan with `None` fillers to the longest plan of any rank, which it computes
         locally: FSDP2 needs every rank to run as many forwards and backwards.
         """
-        budget, packed = self.cfg.max_tokens_per_microbatch, self.cfg.pack_sequences
-        if self._sharded_root is None:
-            return plan_microbatches(lengths, budget, packed=packed)
-        plans = [
-            [[share[i] for i in mb] for mb in plan_microbatches([lengths[i] for i in share], budget, packed=packed)]
-            if share else []
-            for share in distributed.rank_shares(lengths, distributed.world_size())
-        ]
-        mine = plans[distributed.rank()]
-        return mine + [None] * (max(map(len, plans)) - len(mine))
+        budget, packed, sharing = self.cfg.max_tokens_per_microbatch, self.cfg.pack_sequences, self.prefix_sharing
+        bundles = prefix_bundles([d.input_ids for d in datums], budget, sharing.pair_cost) if sharing else \
+            [PrefixBundle.single(index, len(datum)) for index, datum in enumerate(datums)]
+        sharded = self._sharded_root is not None
+        plans = plan_ranks(bundles, budget, packed=packed, world=distributed.world_size() if sharded else 1)
+        computed = sum(computed_tokens([b.length for b in mb], packed=packed) for plan in plans for mb in plan)
+        mine = plans[distributed.rank() if sharded else 0]
+        return mine + [None] * (max(map(len, plans)) - len(mine)), computed
 
     def _model_forward(
         self, batch: PaddedBatch, temperature: float, with_entropy: bool
@@ -270,10 +273,13 @@ class Trainer:
     def _forward(self, batch: PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """(b, T) logprobs (and entropies) at `batch.positions`, 0 elsewhere; differentiable if grad is on."""
         lm_head = self.model.get_output_embeddings()
+        attention_mask = batch.attention_mask
+        if batch.sequence_ids is not None:
+            attention_mask = shared_prefix_mask(batch.sequence_ids, batch.segment_ids, self.prefix_sharing.attention)
         with self._autocast():
             hidden_BTH = self.model.get_decoder()(
                 input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
+                attention_mask=attention_mask,
                 position_ids=batch.position_ids,
                 use_cache=False,
             ).last_hidden_state
@@ -316,11 +322,12 @@ class Trainer:
         logprobs_D: list[Tensor] = [torch.empty(0)] * len(datums)
         entropy_D: list[Tensor] = [torch.empty(0)] * len(datums)
         computed: list[int] = []
-        for indices in self._microbatches([len(d) for d in datums]):
-            if indices is None:
+        for bundles in self._microbatches(datums)[0]:
+            if bundles is None:
                 self._filler_pass(backward=False)
                 continue
-            batch = collate(datums, indices, {}, trained_only=False, packed=self.cfg.pack_sequences).to(self.device)
+            indices = [index for bundle in bundles for index in bundle.indices]
+            batch = collate(datums, bundles, {}, trained_only=False, packed=self.cfg.pack_sequences).to(self.device)
             logprobs_BT, entropy_BT = self._model_forward(batch, temperature, with_entropy)
             logprobs_BT = logprobs_BT.cpu()
             entropy_BT = entropy_BT.cpu() if with_entropy else None
@@ -363,7 +370,8 @@ class Trainer:
 
         Returns "loss" (the summed loss) and each metric of `loss_fn`: names ending in
         "_min"/"_max" take the min/max over micro-batches, others the mean weighted by each
-        micro-batch's sum of weights.
+        micro-batch's sum of weights. Also "tokens_computed": the tokens the call ran through the
+        model (every rank's), after prefix sharing and with padding, against Σ len(datum).
         """
         self._require_trainable("forward_backward")
         check_datums(datums)
@@ -373,15 +381,16 @@ class Trainer:
         self.model.train()
         num_tokens_total = float(sum(sum(d.weights) for d in datums))
         totals = MetricTotals()
-        plan = self._microbatches([len(d) for d in datums])
-        for number, indices in enumerate(plan):
+        plan, tokens_computed = self._microbatches(datums)
+        for number, bundles in enumerate(plan):
             if self._sharded_root is not None:
                 # FSDP2 reduces the gradients once, after the last backward, not after each one.
                 self._sharded_root.set_requires_gradient_sync(number == len(plan) - 1)
-            if indices is None:
+            if bundles is None:
                 self._filler_pass(backward=True)
                 continue
-            batch = collate(datums, indices, extras, trained_only=True, packed=self.cfg.pack_sequences)
+            indices = [index for bundle in bundles for index in bundle.indices]
+            batch = collate(datums, bundles, extras, trained_only=True, packed=self.cfg.pack_sequences)
             batch = batch.to(self.device)
             if self._sharded_root is not None and batch.positions.numel() == 0:
                 # Nothing to train (its loss would have no graph, so this rank alone would skip a
@@ -411,7 +420,7 @@ class Trainer:
             micro_weight = float(sum(sum(datums[i].weights) for i in indices))
             # If nothing in the call is weighted, average micro-batches equally instead of 0/0.
             totals.add(loss, metrics, micro_weight if num_tokens_total > 0 else 1.0)
-        return totals.reduce()
+        return totals.reduce() | {"tokens_computed": float(tokens_computed)}
 
     def optim_step(self) -> dict[str, float]:
         """Clip and apply the accumulated gradient, or skip the step; then zero the gradient.

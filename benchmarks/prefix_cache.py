@@ -1,0 +1,112 @@
+"""Engine prefill tokens per RL step with the prefix cache and without it, on the examples' own rollouts.
+
+A step samples P rows x G draws through the example's `rollout_fn`, all at once, against the embedded
+deployment (what a synchronous step sends; the async recipe sends the same requests, overlapped with
+training), then syncs the weights back, which empties the cache as a real step's sync does. The
+trainer is left out: it does not change what the engine prefills. Printed per example: per-step
+`perf/prompt_tokens`, `perf/engine_prefill_tokens` and `perf/prefix_cache_hit_tokens` (what the RL
+loop logs, `rl/telemetry.py: EngineCounters`), prefill and decode seconds, and the ratio of prefill
+tokens without the cache to with it.
+
+    python benchmarks/prefix_cache.py                                    # both examples, 2 steps each
+    python benchmarks/prefix_cache.py --examples multi_turn --steps 3
+    python benchmarks/prefix_cache.py --model tiny-random --steps 1       # a smoke run
+
+Sampling is unseeded, as in training, so the two runs draw different replies: the prompt tokens
+of the multi-turn example differ a little between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from training.utils.config import RLConfig
+from training.utils.deploy import start_deployment
+from training.utils.model import load_model_and_tokenizer
+from training.utils.rl.telemetry import EngineCounters
+from training.utils.rl.wiring import make_rollout_setup
+
+
+def single_turn():
+    from training.examples.rl.single_turn_token_in import train
+    from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn
+
+    return train.cfg, train.read_rows("train.jsonl"), make_rollout_fn, {}
+
+
+def multi_turn():
+    from training.examples.rl.multi_turn_message_in import train
+    from training.examples.rl.multi_turn_message_in.make_data import load_split
+    from training.examples.rl.multi_turn_message_in.rollout import make_rollout_fn
+
+    return train.cfg, load_split("train"), make_rollout_fn, train.rollout_extras
+
+
+EXAMPLES = {"single_turn": single_turn, "multi_turn": multi_turn}
+
+
+async def sample_steps(cfg: RLConfig, model, tokenizer, rows, make_rollout_fn, extras, steps: int) -> list[dict]:
+    """Per-step engine counters of `steps` steps of P rows x G draws, each followed by a weight sync."""
+    deployment = await start_deployment(model, tokenizer, cfg.deployment, model_name="bench")
+    counters = EngineCounters()
+    per_step = []
+    try:
+        rollout_fn = make_rollout_fn(make_rollout_setup(cfg, tokenizer, deployment, extras))
+        P, G = cfg.prompt_groups_per_step, cfg.completions_per_prompt
+        for step in range(1, steps + 1):
+            batch = rows[(step - 1) * P : step * P]
+            start = time.perf_counter()
+            await asyncio.gather(*[rollout_fn(row) for row in batch for _ in range(G)])
+            seconds = time.perf_counter() - start
+            per_step.append(counters.step_metrics(deployment) | {"sampling_time": seconds})
+            await deployment.weight_sync.sync(model.state_dict(), version=step)
+    finally:
+        await deployment.close()
+    return per_step
+
+
+def compare(name: str, model_name: str | None, steps: int) -> dict:
+    cfg, rows, make_rollout_fn, extras = EXAMPLES[name]()
+    if model_name:
+        cfg = cfg.model_copy(update={"model": model_name})
+    model, tokenizer = load_model_and_tokenizer(cfg.model)
+    result = {}
+    for label, budget in (("without", 0), ("with", cfg.deployment.prefix_cache_tokens)):
+        deployment = cfg.deployment.model_copy(update={"prefix_cache_tokens": budget})
+        run_cfg = cfg.model_copy(update={"deployment": deployment})
+        result[label] = asyncio.run(sample_steps(run_cfg, model, tokenizer, rows, make_rollout_fn, extras, steps))
+    prefill = {label: sum(s["perf/engine_prefill_tokens"] for s in result[label]) for label in result}
+    result["prefill_ratio"] = prefill["without"] / max(prefill["with"], 1.0)
+    return result
+
+
+def print_table(name: str, result: dict) -> None:
+    print(f"\n{name}: per step, without the cache | with it")
+    keys = ["perf/prompt_tokens", "perf/engine_prefill_tokens", "perf/prefix_cache_hit_tokens",
+            "perf/engine_prefill_time", "perf/engine_decode_time", "sampling_time"]
+    for i, (without, with_) in enumerate(zip(result["without"], result["with"], strict=True), start=1):
+        cells = "  ".join(f"{k.removeprefix('perf/')} {without[k]:.0f} | {with_[k]:.0f}" if "tokens" in k
+                          else f"{k.removeprefix('perf/')} {without[k]:.1f}s | {with_[k]:.1f}s" for k in keys)
+        print(f"  step {i}: {cells}")
+    print(f"  prefill tokens without / with the cache: {result['prefill_ratio']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", nargs="+", choices=sorted(EXAMPLES), default=["single_turn", "multi_turn"])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--model", default=None, help="instead of the example's model (e.g. tiny-random)")
+    parser.add_argument("--json", action="store_true", help="also print the raw numbers as JSON")
+    args = parser.parse_args()
+    results = {name: compare(name, args.model, args.steps) for name in args.examples}
+    for name, result in results.items():
+        print_table(name, result)
+    if args.json:
+        print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
