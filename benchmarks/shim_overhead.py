@@ -15,8 +15,14 @@ with a fixed `max_tokens`, so both paths generate the same tokens for the same p
 2. Throughput: `--sessions` agents at once, each with its own aiohttp client, `--load-turns`
    turns each through the shim; then the same prompt ids replayed straight to the sampler with
    the same concurrency. Reports turns/s for both and the CPU seconds per turn of this process.
+3. With `--big-body-mb N`, parts 1 and 2 run while one N MB Anthropic body (an agent history of
+   100 KB tool results, far past the context) is in flight the whole time, from a client process
+   of its own (as an agent is): sent again as soon as its 400 comes back, on a session of its
+   own (`max_body_bytes` 64 MiB, so it is read and parsed, not refused from its size). Reports
+   how many were sent and how long each took; part 2 reports the turns recorded (all of them).
 
     python benchmarks/shim_overhead.py                                  # tiny random model, ~1 minute
+    python benchmarks/shim_overhead.py --big-body-mb 40                 # the same, a 40 MB request in flight
     python benchmarks/shim_overhead.py --model smollm2-135m-instruct --max-tokens 4 --sessions 200
 """
 
@@ -26,6 +32,8 @@ import argparse
 import asyncio
 import copy
 import json
+import signal
+import sys
 import time
 
 import aiohttp
@@ -118,9 +126,11 @@ async def measure_throughput(shim: AgentShim, timed: TimedSampler, direct_kwargs
         assert len(segments) == 1 and segments[0].metadata["num_turns"] == turns, segments
         return session.affinity
 
+    recorded_before = shim.stats["turns"]
     cpu, start = time.process_time(), time.perf_counter()
     affinities = await asyncio.gather(*(agent_run(i) for i in range(sessions)))
     shim_wall, shim_cpu = time.perf_counter() - start, time.process_time() - cpu
+    recorded = shim.stats["turns"] - recorded_before
 
     async def replay(affinity: str) -> None:
         for prompt_ids, _ in timed.calls[affinity]:
@@ -130,11 +140,59 @@ async def measure_throughput(shim: AgentShim, timed: TimedSampler, direct_kwargs
     await asyncio.gather(*(replay(a) for a in affinities))
     direct_wall, direct_cpu = time.perf_counter() - start, time.process_time() - cpu
     n = sessions * turns
-    return {"sessions": sessions, "turns_per_session": turns,
+    return {"sessions": sessions, "turns_per_session": turns, "turns_recorded": recorded,
             "shim_turns_per_s": round(n / shim_wall, 1), "direct_turns_per_s": round(n / direct_wall, 1),
             "shim_vs_direct": round(direct_wall / shim_wall, 3),
             "shim_cpu_ms_per_turn": round(1000 * shim_cpu / n, 2),
             "direct_cpu_ms_per_turn": round(1000 * direct_cpu / n, 2)}
+
+
+def agent_history_body(megabytes: int, result_bytes: int = 100_000) -> bytes:
+    """An Anthropic body of about `megabytes` MB: a task, then tool_use / tool_result turns of `result_bytes`."""
+    messages: list[dict] = [{"role": "user", "content": "Summarize the repository."}]
+    for i in range(megabytes * 10**6 // result_bytes):
+        call = {"type": "tool_use", "id": f"toolu_{i:06d}", "name": "read", "input": {"path": f"src/file_{i}.py"}}
+        result = {"type": "tool_result", "tool_use_id": call["id"], "content": "x = 1; " * (result_bytes // 7)}
+        messages += [{"role": "assistant", "content": [call]}, {"role": "user", "content": [result]}]
+    tool = {"name": "read", "input_schema": {"type": "object"}}
+    return json.dumps({"model": "policy", "max_tokens": 64, "tools": [tool], "messages": messages}).encode()
+
+
+async def send_big_until_terminated(url: str, key: str, megabytes: int) -> None:
+    """The big-body client process: POSTs one body to `url` again and again until SIGTERM, then prints its counts
+    as JSON. Writes "ready" once the body is built."""
+    body = agent_history_body(megabytes)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    headers = {"x-api-key": key, "content-type": "application/json"}
+    statuses: dict[int, int] = {}
+    seconds = []
+    print("ready", flush=True)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
+        while not stop.is_set():
+            start = time.perf_counter()
+            async with http.post(url, data=body, headers=headers) as response:
+                await response.read()
+                statuses[response.status] = statuses.get(response.status, 0) + 1
+            seconds.append(time.perf_counter() - start)
+    print(json.dumps({"megabytes": round(len(body) / 1e6, 1), "requests": len(seconds), "statuses": statuses,
+                      "ms": percentiles_ms(seconds)}), flush=True)
+
+
+async def start_big_client(shim: AgentShim, megabytes: int) -> asyncio.subprocess.Process:
+    session = shim.open_session(run_id="big-body")
+    client = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--big-body-mb", str(megabytes), "--send-big-to", session.base_url + "/v1/messages",
+        session.key, stdout=asyncio.subprocess.PIPE)
+    assert (await client.stdout.readline()).strip() == b"ready"
+    await asyncio.sleep(1.0)  # its first request is in flight
+    return client
+
+
+async def stop_big_client(client: asyncio.subprocess.Process) -> dict:
+    client.terminate()
+    out, _ = await asyncio.wait_for(client.communicate(), 900)
+    return json.loads(out.decode().strip().splitlines()[-1])
 
 
 async def bench(args) -> dict:
@@ -146,24 +204,28 @@ async def bench(args) -> dict:
     )
     timed = TimedSampler(deployment.sampler)
     sample_kwargs = dict(max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, stop=[], timeout=900)
-    shim = AgentShim(timed, tokenizer, AgentShimConfig(max_context_tokens=deployment.engine.max_context_tokens),
-                     sample_kwargs)
+    shim_cfg = AgentShimConfig(max_context_tokens=deployment.engine.max_context_tokens,
+                               max_body_bytes=64 * 2**20 if args.big_body_mb else None)
+    shim = AgentShim(timed, tokenizer, shim_cfg, sample_kwargs)
     # What the shim passes to the sampler (`AgentShim._sample`), minus the affinity key.
     direct_kwargs = dict(max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, stop=None, timeout=900)
     try:
         await shim.start()
         await measure_latency(shim, timed, direct_kwargs, sessions=2, turns=3, wire=args.wire)  # warm-up
+        big_client = await start_big_client(shim, args.big_body_mb) if args.big_body_mb else None
         latency = await measure_latency(shim, timed, direct_kwargs, sessions=args.latency_sessions, turns=args.turns,
                                         wire=args.wire)
         throughput = await measure_throughput(shim, timed, direct_kwargs, sessions=args.sessions,
                                               turns=args.load_turns, wire=args.wire)
+        big_body = await stop_big_client(big_client) if big_client is not None else None
         stats = shim.stats
     finally:
         await shim.close()
         await deployment.close()
     return {"model": args.model, "wire": args.wire, "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
-            "latency": latency, "throughput": throughput,
-            "shim_stats": {k: stats[k] for k in ("turns", "appends", "wipes", "render_fallbacks", "sampling_failures")}}
+            "latency": latency, "throughput": throughput, "big_body": big_body,
+            "shim_stats": {k: stats[k] for k in ("turns", "appends", "branches", "compactions", "render_fallbacks",
+                                                 "sampling_failures")}}
 
 
 def main() -> None:
@@ -176,7 +238,12 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=200, help="concurrent sessions for the throughput part")
     parser.add_argument("--load-turns", type=int, default=5, help="turns per concurrent session")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--big-body-mb", type=int, default=0, help="keep one request of this many MB in flight")
+    parser.add_argument("--send-big-to", nargs=2, metavar=("URL", "KEY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.send_big_to:
+        asyncio.run(send_big_until_terminated(*args.send_big_to, args.big_body_mb))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     result = asyncio.run(bench(args))
@@ -189,7 +256,12 @@ def main() -> None:
         print(f"  {name:<24} {m['p50']:8.2f} {m['p99']:8.2f} {m['mean']:8.2f}")
     print(f"throughput, {thr['sessions']} sessions x {thr['turns_per_session']} turns: shim {thr['shim_turns_per_s']} "
           f"turns/s, direct {thr['direct_turns_per_s']} turns/s ({thr['shim_vs_direct']:.2f}x); CPU per turn "
-          f"shim {thr['shim_cpu_ms_per_turn']} ms, direct {thr['direct_cpu_ms_per_turn']} ms")
+          f"shim {thr['shim_cpu_ms_per_turn']} ms, direct {thr['direct_cpu_ms_per_turn']} ms; "
+          f"{thr['turns_recorded']} of {thr['sessions'] * thr['turns_per_session']} turns recorded")
+    if result["big_body"]:
+        big = result["big_body"]
+        print(f"meanwhile {big['requests']} requests of {big['megabytes']} MB, answered {big['statuses']}, "
+              f"p50 {big['ms']['p50'] / 1000:.2f}s each")
     print(json.dumps(result))
 
 

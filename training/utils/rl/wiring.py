@@ -83,18 +83,10 @@ async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment) -> 
     """
     if not cfg.agent_shim.enabled:
         return None
-    shim_cfg = cfg.agent_shim
+    # The shim checks `agent_shim.max_context_tokens` against the context given here, or asks the deployment.
     served = deployment.engine.max_context_tokens if isinstance(deployment, EmbeddedDeployment) else None
-    served = served or cfg.deployment.max_context_tokens
-    if shim_cfg.max_context_tokens is None:
-        shim_cfg = shim_cfg.model_copy(update={"max_context_tokens": served})
-    elif served and shim_cfg.max_context_tokens > served:
-        raise ConfigError(
-            f"agent_shim.max_context_tokens={shim_cfg.max_context_tokens} exceeds the deployment's context of "
-            f"{served} tokens; leave it unset to use the deployment's, or lower it"
-        )
-    shim = AgentShim(deployment.sampler, tokenizer, shim_cfg, rollout_sample_kwargs(cfg),
-                     model_name=deployment.model_name)
+    shim = AgentShim(deployment.sampler, tokenizer, cfg.agent_shim, rollout_sample_kwargs(cfg),
+                     model_name=deployment.model_name, context_tokens=served or cfg.deployment.max_context_tokens)
     await shim.start()
     return shim
 

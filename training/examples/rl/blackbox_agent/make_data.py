@@ -1,10 +1,10 @@
-"""Write procedurally generated calculator tasks to data/{train,eval}.jsonl.
+"""Write the single-digit addition tasks of the agent to data/{train,eval}.jsonl.
 
-Each row: {"id", "task", "expression", "answer"}. The task asks the agent to compute an
-expression of three or four 2- to 3-digit numbers with its calculator tool and to write the
-result to answer.txt with its write_file tool; `answer` is the exact integer value. The numbers
-are big enough that guessing is hopeless without the calculator. The same seed writes the
-same files.
+Each row: {"id", "task", "expression", "answer"}. The task is "What is A + B? Reply with only
+the completed equation." with A and B in 1..9; `answer` is the sum. The 81 (A, B) pairs are
+shuffled with the seed and the first `HELD_OUT_PAIRS` are held out: eval rows go through them
+in order (one row each by default), and train rows are drawn, with replacement, from the
+other 49 only, so eval measures pairs never trained on. The same seed writes the same files.
 
     python training/examples/rl/blackbox_agent/make_data.py [--train 256 --eval 32 --seed 0]
 """
@@ -14,47 +14,38 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from training.examples.rl.blackbox_agent.reward import ANSWER_FILE
 from training.utils.rl.dataset import GeneratedSplits
 
 DATA_DIR = Path(__file__).parent / "data"
-TASK_TEMPLATE = (
-    "Use the calculator tool to compute {expression}. Then use the write_file tool to write only the "
-    f"resulting number to a file named {ANSWER_FILE}."
-)
+TASK_TEMPLATE = "What is {expression}? Reply with only the completed equation."
+OPERANDS = range(1, 10)
+HELD_OUT_PAIRS = 32
 
 
-def product_plus(rng: random.Random) -> tuple[str, int]:
-    a, b, c = rng.randint(11, 99), rng.randint(11, 99), rng.randint(100, 999)
-    return f"{a} * {b} + {c}", a * b + c
-
-
-def sum_times(rng: random.Random) -> tuple[str, int]:
-    a, b, c = rng.randint(100, 999), rng.randint(100, 999), rng.randint(3, 19)
-    return f"({a} + {b}) * {c}", (a + b) * c
-
-
-def difference_of_products(rng: random.Random) -> tuple[str, int]:
-    a, b, c, d = (rng.randint(11, 99) for _ in range(4))
-    if a * b < c * d:  # keep answers positive: fewer ways to write them
-        a, b, c, d = c, d, a, b
-    return f"{a} * {b} - {c} * {d}", a * b - c * d
-
-
-EXPRESSION_KINDS = [product_plus, sum_times, difference_of_products]
+def split_pairs(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(train pairs, held-out pairs): the same for both splits of one seed."""
+    pairs = [(a, b) for a in OPERANDS for b in OPERANDS]
+    random.Random(seed).shuffle(pairs)
+    return pairs[HELD_OUT_PAIRS:], pairs[:HELD_OUT_PAIRS]
 
 
 def make_rows(count: int, seed: int, split: str) -> list[dict]:
-    rng = random.Random(f"{split}-{seed}")
-    return [calculator_row(f"calc-{split}-{i}", *rng.choice(EXPRESSION_KINDS)(rng)) for i in range(count)]
+    train_pairs, held_out = split_pairs(seed)
+    if split == "eval":
+        pairs = [held_out[i % len(held_out)] for i in range(count)]
+    else:
+        rng = random.Random(f"{split}-{seed}")
+        pairs = [rng.choice(train_pairs) for _ in range(count)]
+    return [addition_row(f"add-{split}-{i}", a, b) for i, (a, b) in enumerate(pairs)]
 
 
-def calculator_row(row_id: str, expression: str, answer: int) -> dict:
+def addition_row(row_id: str, a: int, b: int) -> dict:
+    expression = f"{a} + {b}"
     return {"id": row_id, "task": TASK_TEMPLATE.format(expression=expression), "expression": expression,
-            "answer": str(answer)}
+            "answer": str(a + b)}
 
 
-SPLITS = GeneratedSplits(DATA_DIR, make_rows, train_rows=256, eval_rows=32)
+SPLITS = GeneratedSplits(DATA_DIR, make_rows, train_rows=256, eval_rows=HELD_OUT_PAIRS)
 load_split = SPLITS.load
 
 if __name__ == "__main__":

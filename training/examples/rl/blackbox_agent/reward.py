@@ -2,9 +2,8 @@
 
 - 1.0: `answer.txt` holds the right number and nothing else (surrounding whitespace, a
   trailing period and thousands separators are fine: `12,888.` counts as 12888).
-- 0.1: `answer.txt` exists but holds something else (the agent used the file tool on the
-  right file; a small step up from doing nothing, so early groups are not all-zero).
-- 0.0: no `answer.txt`.
+- 0.0: anything else: no `answer.txt` (no reply met the agent's format within its turns), a
+  wrong number, or other text.
 
 Never raises on what the agent wrote.
 """
@@ -16,7 +15,6 @@ import re
 from pathlib import Path
 
 ANSWER_FILE = "answer.txt"
-FILE_WRITTEN_CREDIT = 0.1
 _MAX_READ_CHARS = 1000
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
@@ -32,7 +30,7 @@ def parse_answer(text: str) -> float | None:
 
 
 def answer_file_reward(workdir: Path, answer: str) -> float:
-    """1.0 right number in `workdir/answer.txt`, 0.1 the file exists but does not hold it, 0.0 no file."""
+    """1.0 when `workdir/answer.txt` holds the number `answer`, else 0.0."""
     path = Path(workdir) / ANSWER_FILE
     if not path.is_file():
         return 0.0
@@ -40,6 +38,6 @@ def answer_file_reward(workdir: Path, answer: str) -> float:
         with path.open(errors="replace") as f:
             text = f.read(_MAX_READ_CHARS + 1)
     except OSError:
-        return FILE_WRITTEN_CREDIT
+        return 0.0
     value = parse_answer(text) if len(text) <= _MAX_READ_CHARS else None
-    return 1.0 if value is not None and value == float(answer) else FILE_WRITTEN_CREDIT
+    return 1.0 if value is not None and value == float(answer) else 0.0

@@ -10,9 +10,13 @@ Per draw:
    one `RolloutRun` carrying that reward (None when nothing trainable was recorded, which
    drops the draw).
 
-An agent that exits non-zero or runs out of time is not a bug of the training library: the
-draw is dropped as a `RecoverableRolloutError` (counted, feeds the circuit breaker) with
-the agent's stderr tail in the message. Errors of the shim itself propagate.
+An agent run that left no complete trajectory (`crash_reason`: it timed out, was killed by a
+signal, or exited non-zero before any model call was recorded) is not a bug of the training
+library: the draw is dropped as a `RecoverableRolloutError` (counted, feeds the circuit
+breaker) with the agent's stderr tail in the message. An agent that exits non-zero after its
+model calls were recorded (Claude Code exits 1 when a later request fails) finished a
+trajectory: it is graded and trained like any other, its exit code in the runs log. Errors of
+the shim itself propagate.
 
 `rollout_extras`: `max_turns` (model calls per agent run, default 3), `agent_timeout_s`
 (default 240), `stream` (the agent streams its replies, default False), `runs_log` (a JSONL
@@ -63,6 +67,23 @@ class AgentResult:
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out
+
+    def crash_reason(self, recorded_turns: int) -> str | None:
+        """Why this run left no complete trajectory to grade, or None when it did.
+
+        A timeout or a signal cut the agent off mid-trajectory; a non-zero exit before any model call
+        was recorded never started one. A non-zero exit after recorded turns is the agent's own verdict
+        on a finished trajectory (the task may well be done), so it is graded, not dropped.
+        """
+        if self.timed_out:
+            return "timed out"
+        if self.returncode is None:
+            return "could not be reaped"
+        if self.returncode < 0:
+            return f"was killed by signal {-self.returncode}"
+        if self.returncode != 0 and recorded_turns == 0:
+            return f"exited {self.returncode} before any model call was recorded"
+        return None
 
     def stderr_tail(self, chars: int = STDERR_TAIL_CHARS) -> str:
         tail = self.stderr[-chars:]
@@ -143,9 +164,10 @@ def make_rollout_fn(setup: RolloutSetup):
                 agent = await run_agent(row["task"], workdir, agent_env(session.base_url, session.key),
                                         max_turns=max_turns, timeout_s=timeout_s, stream=stream)
                 record |= {"agent_seconds": round(agent.seconds, 3), "exit_code": agent.returncode} | agent.summary()
-                if not agent.ok:
+                crashed = agent.crash_reason(session.num_turns)
+                if crashed is not None:
                     record |= {"outcome": "agent_failed", **session.summary()}
-                    what = f"timed out after {timeout_s:g}s" if agent.timed_out else f"exited {agent.returncode}"
+                    what = f"timed out after {timeout_s:g}s" if agent.timed_out else crashed
                     raise RecoverableRolloutError(
                         f"agent {session.run_id} {what}; stderr tail:\n{agent.stderr_tail()}"
                     )

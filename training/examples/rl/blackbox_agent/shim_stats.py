@@ -1,7 +1,7 @@
 """Per-step agent-shim statistics of a run, as a markdown table read from its metrics ledger.
 
 The recipes sum the shim's per-session counters over each step's runs into the step's metrics
-(`rollout/shim/turns`, `rollout/shim/wipes`, ...; `training/utils/rl/groups.py::shim_metrics`).
+(`rollout/shim/turns`, `rollout/shim/compactions`, ...; `training/utils/rl/groups.py::shim_metrics`).
 This prints them next to the step's reward and drops:
 
     python training/examples/rl/blackbox_agent/shim_stats.py runs/blackbox_agent
@@ -26,8 +26,8 @@ COLUMNS = {
     "rollout/raw_reward": "mean reward",
     "rollout/shim/turns": "model calls (shim turns)",
     "rollout/shim/appends": "appends",
-    "rollout/shim/wipes": "wipes",
     "rollout/shim/branches": "branches",
+    "rollout/shim/compactions": "compactions",
     "rollout/shim/parser_fallbacks": "parser fallbacks",
     "rollout/shim/render_fallbacks": "render fallbacks",
     "rollout/shim/sampling_failures": "sampling failures",

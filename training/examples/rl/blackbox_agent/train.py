@@ -2,10 +2,12 @@
 
     python training/examples/rl/blackbox_agent/train.py
 
-Runs the async recipe with the shim on; prints the per-step shim statistics of the ledger at the
-end (`shim_stats.py`; README: what the default run measured).
+Runs the async recipe with the shim on, with the held-out evaluation before the first and after
+the last step; prints the per-step shim statistics of the ledger at the end (`shim_stats.py`;
+README: what the default run measured).
 """
 
+import json
 from pathlib import Path
 
 from training.examples.rl.blackbox_agent.make_data import load_split
@@ -13,20 +15,27 @@ from training.examples.rl.blackbox_agent.rollout import make_rollout_fn
 from training.examples.rl.blackbox_agent.shim_stats import markdown_table, run_dir_stats
 from training.recipes.async_rl_loop import Config, main
 from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
+from training.utils.rl.evaluation import rollout_evaluation
 
 cfg = Config(
     model="smollm2-135m-instruct", log_path="runs/blackbox_agent",
-    # P rows × G agent runs a step; one step of overlap between rollouts and training.
-    completions_per_prompt=4, prompt_groups_per_step=2, max_steps=5, max_head_offpolicy_versions=1,
-    sampling=SamplingConfig(max_tokens=64, temperature=1.0), trainer=TrainerConfig(learning_rate=2e-5),
+    # P rows × G agent runs a step; one step of overlap between rollouts and training. Each agent run is a Python
+    # process that imports the SDK (1–2 s of CPU), so on 2 cores many small steps beat a few large ones.
+    completions_per_prompt=8, prompt_groups_per_step=2, max_steps=24, max_head_offpolicy_versions=1,
+    # 16 tokens hold any completed equation ("9 + 9 = 18"); a rambling reply is cut and misses the format.
+    sampling=SamplingConfig(max_tokens=16, temperature=0.7), trainer=TrainerConfig(learning_rate=2e-5),
     # The shim is the agent's model endpoint; one agent run may take minutes on a CPU.
     agent_shim=AgentShimConfig(enabled=True), rollout_timeout_s=300,
 )
 runs_log = Path(cfg.log_path) / "agent_runs.jsonl"
 rollout_extras = {"max_turns": 3, "agent_timeout_s": 240, "runs_log": str(runs_log)}
+EVAL_SAMPLES_PER_ROW = 2
+"""32 held-out rows × 2 = 64 agent runs before the first step and after the last."""
 
 if __name__ == "__main__":
     runs_log.unlink(missing_ok=True)  # the rollout appends to it; keep this run's draws only
-    summary = main(cfg, rollout_fn_factory=make_rollout_fn, rows=load_split("train"), rollout_extras=rollout_extras)
+    evaluation_fn = rollout_evaluation(make_rollout_fn, load_split("eval"), samples_per_row=EVAL_SAMPLES_PER_ROW)
+    summary = main(cfg, rollout_fn_factory=make_rollout_fn, rows=load_split("train"), evaluation_fn=evaluation_fn,
+                   rollout_extras=rollout_extras)
     print(markdown_table(run_dir_stats(cfg.log_path)))
-    print({k: summary[k] for k in ("steps", "ledger")})
+    print(json.dumps({k: summary[k] for k in ("steps", "ledger", "plots")}, indent=1))

@@ -132,13 +132,23 @@ class ChatFormat:
         middle of a tool call has unclosed markup and falls back to raw text like any other.
         """
         del finish_reason
+        return parse_assistant_text(self.reply_text(output_ids))
+
+    def reply_text(self, output_ids: list[int]) -> str:
+        """The text of the reply in `output_ids`: decoded up to the first end-of-turn token, special tokens skipped."""
+        return self.tokenizer.decode(self._reply_ids(output_ids), skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+
+    def token_texts(self, output_ids: list[int]) -> list[str]:
+        """Each token of the reply decoded on its own (up to the end of turn), as OpenAI's `logprobs` lists them."""
+        return [self.tokenizer.decode([t], clean_up_tokenization_spaces=False) for t in self._reply_ids(output_ids)]
+
+    def _reply_ids(self, output_ids: list[int]) -> list[int]:
         ids = [int(t) for t in output_ids]
         for i, token in enumerate(ids):
             if token in self.end_of_turn_ids:
-                ids = ids[:i]
-                break
-        text = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        return parse_assistant_text(text)
+                return ids[:i]
+        return ids
 
     # ------------------------------------------------------------------ template inspection
 

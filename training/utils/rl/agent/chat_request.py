@@ -14,7 +14,7 @@ of the wire it came in on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from training.utils.errors import TrainingError
 
@@ -36,6 +36,37 @@ class WireError(TrainingError, ValueError):
         return (type(self), (str(self), self.status, self.param, self.code))
 
 
+@dataclass(frozen=True)
+class UnseenPart:
+    """A content part the text-only prompt cannot carry (an image, a document, audio, ...), where it was sent."""
+
+    where: str
+    """Its path in the request body, e.g. `messages[2].content[1]`."""
+    kind: str
+    """Its type, e.g. `image`, `document`, `image_url`."""
+    noun: str
+    """What the wire calls a content entry: "block" (Anthropic) or "part" (OpenAI)."""
+
+
+def unseen_placeholder(kind: str) -> str:
+    """The text an unseen part becomes when `agent_shim.unseen_content="placeholder"`."""
+    return f"[{kind} omitted]"
+
+
+def refuse_unseen(unseen: list[UnseenPart]) -> None:
+    """A WireError 400 naming the first part the model could not see; nothing when there is none."""
+    if not unseen:
+        return
+    first = unseen[0]
+    more = f" (and {len(unseen) - 1} more such part(s))" if len(unseen) > 1 else ""
+    raise WireError(
+        f"{first.where}: {first.kind} {first.noun}s are not supported: the model reads text only and would never "
+        f"see this content{more}. Send it as text, or start the shim with agent_shim.unseen_content='placeholder' "
+        f"to replace each with {unseen_placeholder(first.kind)!r}",
+        param=first.where,
+    )
+
+
 @dataclass
 class ChatRequest:
     """One model request in wire-neutral form."""
@@ -52,6 +83,12 @@ class ChatRequest:
     """The client's stop sequences."""
     stream: bool
     model: str
+    unseen: list[UnseenPart] = field(default_factory=list)
+    """Content parts that became placeholders (`refuse_unseen` turns them into a 400)."""
+    logprobs: bool = False
+    """OpenAI `logprobs: true`: the reply carries the sampled tokens' logprobs."""
+    include_usage: bool = False
+    """OpenAI `stream_options.include_usage`: a stream ends with a usage chunk (`choices: []`)."""
 
 
 def system_reminder(text: str) -> dict:

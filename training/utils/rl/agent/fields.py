@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from training.utils.rl.agent.chat_request import WireError
+from training.utils.rl.agent.chat_request import UnseenPart, WireError, unseen_placeholder
 
 MAX_DEPTH = 100
 """How deep arrays and objects may nest in a request body (tool inputs and schemas included). Deeper bodies
@@ -159,10 +159,13 @@ def function_tool(name: Any, description: Any, schema: Any, *, params: tuple[str
     return {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
 
 
-def content_text(content: Any, param: str, *, text_types: tuple[str, ...], part: str, accepted: str) -> str:
+def content_text(
+    content: Any, param: str, *, text_types: tuple[str, ...], part: str, accepted: str, unseen: list[UnseenPart]
+) -> str:
     """The text of a content field: null, a string, or a list of typed parts joined by newlines.
 
-    `part` is what the wire calls one entry ("block", "part") and `accepted` what the field may be, for errors.
+    `part` is what the wire calls one entry ("block", "part") and `accepted` what the field may be, for errors;
+    parts the prompt cannot carry are noted in `unseen` (`part_text`).
     """
     if content is None:
         return ""
@@ -175,17 +178,19 @@ def content_text(content: Any, param: str, *, text_types: tuple[str, ...], part:
         where = f"{param}[{j}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("type"), str):
             raise WireError(f"{where} must be a {part} with a string 'type'", param=where)
-        texts.append(part_text(entry, where, text_types))
+        texts.append(part_text(entry, where, text_types, unseen, noun=part))
     return "\n".join(texts)
 
 
-def part_text(part: dict, where: str, text_types: tuple[str, ...]) -> str:
-    """One typed part's text (a part of type t in `text_types` holds it under key t); other media, which the
-    text-only prompt cannot carry, become a placeholder."""
+def part_text(part: dict, where: str, text_types: tuple[str, ...], unseen: list[UnseenPart], *, noun: str) -> str:
+    """One typed part's text (a part of type t in `text_types` holds it under key t). Other media, which the
+    text-only prompt cannot carry, become a placeholder and are noted in `unseen` (`noun`: "block", "part"),
+    for the server to refuse or let through (`agent_shim.unseen_content`)."""
     kind = part["type"]
     if kind in text_types:
         text = part.get(kind)
         if not isinstance(text, str):
             raise WireError(f"{where}.{kind} must be a string", param=f"{where}.{kind}")
         return text
-    return f"[{kind} omitted]"
+    unseen.append(UnseenPart(where, kind, noun))
+    return unseen_placeholder(kind)

@@ -189,7 +189,7 @@ def _parse_tool_call(inner: str) -> dict | None:
             return None
     if arguments is None:
         arguments = {}
-    if not isinstance(arguments, dict):
+    if not isinstance(arguments, dict) or not _encodable(obj["name"], arguments):
         return None
     return {
         "id": new_tool_call_id(),
@@ -200,6 +200,16 @@ def _parse_tool_call(inner: str) -> dict | None:
             "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":")),
         },
     }
+
+
+def _encodable(*values: Any) -> bool:
+    """False when a JSON escape decoded to a lone surrogate (`"\\ud800"`): no reply body could carry it as text,
+    so the call is kept as the raw text the model wrote instead."""
+    try:
+        json.dumps(values, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _fallback(text: str) -> ParsedOutput:

@@ -24,12 +24,15 @@ One model request, in its session's queue (`session.py` has the per-session step
    affinity key; a failed or timed-out sampler call is a 503;
 4. check the answer against the prompt sent (`check_turn`): a broken trace is a 503, counted
    as an integrity failure, never zero-filled;
-5. parse the reply, build the wire response, stage the record (a failure is a 503
-   "trace recording failed");
+5. parse the reply as the client is to see it (`reply.py`: the client's stop sequences, how a
+   cut is reported), build the wire response, stage the record of what was sampled (a failure
+   is a 503 "trace recording failed");
 6. send it (JSON, or SSE events), and record the turn only once its content reached the
    client: a client gone before that leaves nothing recorded.
 
-Every await is bounded by `request_timeout_s`.
+Steps 1 and 2 run in worker threads (`request_body.py`): the event loop only moves bytes, so a
+huge body delays no other session, and a prompt whose text alone cannot fit the context is
+refused before it is rendered. Every await is bounded by `request_timeout_s`.
 """
 
 from __future__ import annotations
@@ -39,16 +42,20 @@ import json
 import logging
 import secrets
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from training.utils.config import AgentShimConfig
-from training.utils.errors import DeploymentError, RecoverableRolloutError
-from training.utils.rl.agent import fields, wire_anthropic, wire_openai
+from training.utils.deploy.http_client import auth_headers
+from training.utils.errors import ConfigError, DeploymentError, RecoverableRolloutError
+from training.utils.rl.agent import wire_anthropic, wire_openai
 from training.utils.rl.agent.chat_format import ChatFormat
-from training.utils.rl.agent.chat_request import ChatRequest, WireError
+from training.utils.rl.agent.chat_request import ChatRequest, WireError, refuse_unseen
+from training.utils.rl.agent.reply import client_reply
+from training.utils.rl.agent.request_body import EstimatedOverflowError, RequestWorkers
 from training.utils.rl.agent.session import (
     COUNTERS,
     ContextOverflowError,
@@ -69,8 +76,14 @@ SESSION_HEADERS = ("authorization", "x-api-key", "x-multi-turn-session-id")
 # Closed keys remembered so a late request hears "session is closed" rather than "unknown".
 _CLOSED_KEYS_KEPT = 10_000
 
+# How long `start` waits for the deployment to say its context length.
+_CONTEXT_QUERY_TIMEOUT_S = 10.0
+
 # What a sampler call may fail with that is the deployment's fault, not the request's.
 _SAMPLING_FAILURES = (DeploymentError, RecoverableRolloutError, TimeoutError, ConnectionError, aiohttp.ClientError)
+
+REQUEST_WORKERS = web.AppKey("request_workers", RequestWorkers)
+"""The app's worker threads and body limits (`request_body.RequestWorkers`), built and shut down with it."""
 
 WIRE_FORMATS: dict[str, WireFormat] = {wire.name: wire for wire in (wire_anthropic.WIRE, wire_openai.WIRE)}
 """Every wire format the server speaks, by name. A new one is a `wire_*.py` module declaring a `WireFormat`
@@ -86,8 +99,14 @@ class AgentShim:
     except a smaller max_tokens and extra stop sequences. `chat_format` renders prompts
     (default: `ChatFormat(tokenizer)`, the tokenizer's own chat template).
 
+    `context_tokens` is the deployment's context length (prompt + reply); None asks the
+    deployment at `start` (`GET /v1/models`, its `max_model_len`, as the embedded engine, vLLM
+    and SGLang report it). `start` then fills an unset `cfg.max_context_tokens` with it (a
+    configured one larger than it is a `ConfigError`), so every turn's max_tokens fits the
+    context however the shim was built.
+
     The wire formats' route handlers call it as a `wire_format.WireServer`: `session_for`,
-    `read_json` and `model_call`.
+    `count_tokens` and `model_call`.
     """
 
     def __init__(
@@ -99,6 +118,7 @@ class AgentShim:
         *,
         chat_format: ChatFormat | None = None,
         model_name: str = "policy",
+        context_tokens: int | None = None,
     ):
         if "max_tokens" not in sample_kwargs:
             raise ValueError("sample_kwargs needs max_tokens (the trainer's cap on one reply)")
@@ -109,6 +129,8 @@ class AgentShim:
         self.chat_format = chat_format if chat_format is not None else ChatFormat(tokenizer)
         self.model_name = model_name
         """Reported by `GET /v1/models` and in replies to clients that send no model name."""
+        self.context_tokens = context_tokens
+        """The deployment's context length; None until `start` asks the deployment (and if it does not say)."""
         self.base_url: str | None = None
         self._runner: web.AppRunner | None = None
         self._sessions: dict[str, ShimSession] = {}
@@ -126,6 +148,10 @@ class AgentShim:
         """
         if self._runner is not None:
             return self.base_url
+        if self.context_tokens is None:
+            self.context_tokens = await served_context_tokens(self.sampler)
+        context = shim_context_tokens(self.cfg, self.context_tokens)
+        self.cfg = self.cfg.model_copy(update={"max_context_tokens": context})
         runner = web.AppRunner(self._make_app(), access_log=None, shutdown_timeout=5.0)
         try:
             await runner.setup()
@@ -180,7 +206,7 @@ class AgentShim:
 
         Requests still queued get 401 "session is closed"; the one in flight, if any, is
         waited for (up to `timeout`, then `SessionTimeoutError`). Without `reward`, returns the
-        segments (frozen chains "wipe", the current leaf "final", other leaves "branch"); with
+        segments (chains the session left "branch", the current leaf "final"); with
         it, one `RolloutRun` of them all sharing `reward` (None when nothing is trainable).
         """
         session = self._sessions.get(key)
@@ -256,31 +282,25 @@ class AgentShim:
             raise WireError("session is closed", status=401)
         raise WireError("unknown session key", status=401)
 
-    async def read_json(self, request: web.Request) -> Any:
-        """The request body as JSON; a WireError 413 (too large), 408 (too slow) or 400 otherwise: not UTF-8 JSON,
-        NaN or Infinity, nesting past `fields.MAX_DEPTH`, or a lone surrogate anywhere (`fields.plain_json`)."""
-        try:
-            raw = await asyncio.wait_for(request.read(), self.cfg.request_timeout_s)
-        except web.HTTPRequestEntityTooLarge:
-            raise WireError(f"the request body exceeds {self.cfg.max_body_bytes} bytes (agent_shim.max_body_bytes)",
-                            status=413) from None
-        except TimeoutError:
-            raise WireError(f"the request body did not arrive within {self.cfg.request_timeout_s:g}s",
-                            status=408) from None
-        try:
-            body = json.loads(raw, parse_constant=_not_json)
-        except RecursionError:
-            raise WireError(f"the request body nests deeper than {fields.MAX_DEPTH} levels") from None
-        except ValueError as e:  # UnicodeDecodeError included: bodies are UTF-8
-            raise WireError(f"the request body is not valid JSON: {e}") from None
-        fields.plain_json(body)
-        return body
+    async def count_tokens(self, request: web.Request, parse: Callable[[Any], ChatRequest]) -> int:
+        """The prompt tokens of the request body as `parse` translates it, parsed and rendered in worker threads;
+        a WireError 413 (too large), 408 (too slow) or 400 (not UTF-8 JSON, NaN or Infinity, nesting past
+        `fields.MAX_DEPTH`, a lone surrogate anywhere, or a field `parse` refuses)."""
+        workers = request.app[REQUEST_WORKERS]
+        chat = await workers.parse_request(await workers.read(request), parse)
+        return await workers.count_tokens(self.chat_format, chat)
 
     async def model_call(self, request: web.Request, codec: TurnCodec) -> web.StreamResponse:
         """Answer one model request in its session's queue and record the turn (steps 1-6 of this module)."""
         session = self.session_for(request)
-        # 1. Translate before queueing: a bad request waits for nothing and changes nothing.
-        chat = codec.parse(await self.read_json(request))
+        workers = request.app[REQUEST_WORKERS]
+        # 1. Translate before queueing, in a worker thread: a bad request waits for nothing and changes nothing,
+        # and a prompt whose text alone cannot fit the context is refused before anything is rendered.
+        try:
+            chat = await workers.parse_turn(await workers.read(request), codec)
+        except ContextOverflowError:
+            session.count("context_overflows")
+            raise
         try:
             async with session.queue.turn(self.cfg.request_timeout_s):
                 if session.closed:
@@ -293,7 +313,10 @@ class AgentShim:
 
     def _make_app(self) -> web.Application:
         wires = list(WIRE_FORMATS.values())
-        app = web.Application(middlewares=[_error_middleware(wires)], client_max_size=self.cfg.max_body_bytes)
+        workers = RequestWorkers(self.tokenizer, self.cfg)
+        app = web.Application(middlewares=[_error_middleware(wires)], client_max_size=workers.max_body_bytes)
+        app[REQUEST_WORKERS] = workers
+        app.on_cleanup.append(workers.close)
         for wire in wires:
             for route in wire.routes:
                 app.router.add_route(route.method, route.path, self._serve(wire, route.handler))
@@ -312,6 +335,8 @@ class AgentShim:
             except ContextOverflowError as e:
                 # Clients recognise an overflow by its wording (Claude Code then compacts), so each wire has its own.
                 message = wire.overflow_message(e.prompt_tokens, e.limit)
+                if isinstance(e, EstimatedOverflowError):
+                    message += e.wire_note()
                 return wire.error_response(400, message, param="messages", code="context_length_exceeded")
 
         return serve
@@ -332,14 +357,19 @@ class AgentShim:
         return web.json_response(listing)
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "sessions_open": len(self._sessions)})
+        limit = request.app[REQUEST_WORKERS].max_body_bytes
+        return web.json_response({"status": "ok", "sessions_open": len(self._sessions), "max_body_bytes": limit})
 
     # ------------------------------------------------------------------ one model call, steps 2-6
 
     async def _turn(self, request: web.Request, session: ShimSession, chat: ChatRequest, codec: TurnCodec):
+        # Content the model cannot see is refused unless placeholders were asked for: the agent must not
+        # believe the model read a file it never saw.
+        if self.cfg.unseen_content == "refuse":
+            refuse_unseen(chat.unseen)
         # 2. Parent and prompt.
         # No room left is a ContextOverflowError: `_serve` words it the wire's way.
-        prepared = session.prepare(chat)
+        prepared = await request.app[REQUEST_WORKERS].prepare(session, chat)
         # 3. Sample with the trainer's parameters and the session's affinity key.
         try:
             sampling = self._sample(session, prepared.prompt_ids, prepared.max_tokens, chat.stop)
@@ -362,24 +392,27 @@ class AgentShim:
             session.first_error = session.first_error or str(e)
             logger.warning("agent shim session %s: trace integrity: %s", session.run_id or session.key[:13], e)
             raise WireError(f"trace integrity check failed: {e}", status=503) from None
-        # 5. Reply and staged record.
-        parsed = self.chat_format.parse_output(record.output_ids, record.finish_reason)
-        if parsed.parser_fallback:
+        # 5. Reply (the client's view: `reply.py`) and staged record (what was sampled).
+        reply = client_reply(self.chat_format, record, chat, limited_by=prepared.limited_by,
+                             trainer_stop=list(self.sample_kwargs.get("stop") or []),
+                             report_trainer_cap_as=self.cfg.report_trainer_cap_as)
+        if reply.parsed.parser_fallback:
             session.count("parser_fallbacks")
         response_id = codec.new_id()
         response = codec.respond(
-            parsed, response_id, model=chat.model or self.model_name, finish_reason=record.finish_reason,
+            reply.parsed, response_id, model=chat.model or self.model_name, finish_reason=reply.finish_reason,
+            stop_sequence=reply.stop_sequence, token_logprobs=reply.token_logprobs,
             prompt_tokens=len(record.prompt_ids), output_tokens=len(record.output_ids),
         )
         try:
-            staged = session.stage(prepared, completions[0], record, parsed, codec.echo(response), response_id)
+            staged = session.stage(prepared, completions[0], record, reply.parsed, codec.echo(response), response_id)
         except Exception as e:  # noqa: BLE001 - the client must not build on a turn we cannot record
             session.count("recording_failures")
             session.first_error = session.first_error or f"trace recording failed: {e!r}"
             logger.exception("agent shim session %s: trace recording failed", session.run_id or session.key[:13])
             raise WireError(f"trace recording failed: {e!r}", status=503) from None
         # 6. Send, then record.
-        return await self._deliver(request, session, staged, response, codec, chat.stream)
+        return await self._deliver(request, session, staged, response, codec, chat)
 
     async def _sample(self, session: ShimSession, prompt_ids: list[int], max_tokens: int, client_stop: list[str]):
         kw = self.sample_kwargs
@@ -398,21 +431,21 @@ class AgentShim:
 
     async def _deliver(
         self, request: web.Request, session: ShimSession, staged: StagedTurn, response: dict, codec: TurnCodec,
-        stream: bool,
+        chat: ChatRequest,
     ) -> web.StreamResponse:
         """Write the reply; record the turn once its content is written. A client gone before that records nothing."""
         timeout = self.cfg.request_timeout_s
         resp: web.StreamResponse | None = None
         recorded = False
         try:
-            if not stream:
+            if not chat.stream:
                 body = json.dumps(response, ensure_ascii=False).encode()
                 resp = web.Response(body=body, content_type="application/json")
                 await asyncio.wait_for(resp.prepare(request), timeout)
                 await asyncio.wait_for(resp.write_eof(), timeout)
                 recorded = self._record(session, staged)
                 return resp
-            events = codec.stream(response)
+            events = codec.stream(response, chat)
             content, closing = events[:-2], events[-2:]
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await asyncio.wait_for(resp.prepare(request), timeout)
@@ -444,9 +477,35 @@ class AgentShim:
         return True
 
 
-def _not_json(constant: str) -> None:
-    # Python's json reads NaN and Infinity, which JSON does not have (and no reply could echo).
-    raise ValueError(f"{constant} is not a JSON value")
+async def served_context_tokens(sampler: Any, timeout_s: float = _CONTEXT_QUERY_TIMEOUT_S) -> int | None:
+    """The context length the sampler's deployment reports (`max_model_len` in `GET /v1/models`), with the
+    sampler's bearer token; None when the sampler has no URL or the deployment does not say."""
+    base_url = getattr(sampler, "base_url", None)
+    if not base_url:
+        return None
+    try:
+        async with aiohttp.ClientSession(headers=auth_headers(getattr(sampler, "api_key", None))) as http:
+            async with http.get(base_url.rstrip("/") + "/v1/models",
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                listing = await resp.json() if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        logger.warning("agent shim: could not ask the deployment for its context length (%r)", e)
+        return None
+    models = listing.get("data") if isinstance(listing, dict) else None
+    lengths = [m.get("max_model_len") for m in models or [] if isinstance(m, dict)]
+    return next((n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
+
+
+def shim_context_tokens(cfg: AgentShimConfig, served: int | None) -> int | None:
+    """The shim's context limit: `cfg.max_context_tokens` when set (never past the deployment's), else `served`."""
+    if cfg.max_context_tokens is None:
+        return served
+    if served and cfg.max_context_tokens > served:
+        raise ConfigError(
+            f"agent_shim.max_context_tokens={cfg.max_context_tokens} exceeds the deployment's context of "
+            f"{served} tokens; leave it unset to use the deployment's, or lower it"
+        )
+    return cfg.max_context_tokens
 
 
 def _presented_keys(request: web.Request) -> list[str]:

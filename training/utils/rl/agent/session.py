@@ -8,15 +8,21 @@ goes through four steps (the server runs them, `server.py`):
    (`resolve_parent`: NEW, APPEND, or WIPE with an explicit parent), then build the prompt
    ids. Continuing a recorded turn extends that turn's `ChatAssembler` snapshot, so replies
    already sampled keep their exact ids (re-tokenizing a reply can change them); anything
-   else, or a snapshot that cannot be extended, is a fresh render of the whole request.
+   else, or a snapshot that cannot be extended, is a fresh render of the whole request. A
+   trailing assistant message is a prefill: the prompt ends with the assistant header and its
+   text, and the model continues it.
 2. The server samples and builds the wire response.
 3. `stage`: everything about recording that can fail (response fingerprints, the snapshot
    after this turn), done before the reply is sent, so a failure can still be a 503.
 4. `commit`, once the reply reached the client: add the turn to the tree. A turn the client
    never saw is never recorded, or the agent's next request would diverge from the record.
 
-At the end, `segments()` materializes the tree: chains frozen by a WIPE first (kind
-"wipe", in freeze order), then the current leaf ("final"), then any other leaf ("branch").
+A WIPE is a *branch* when the request resumes from an earlier point than the latest turn (a
+retry, an edited history: it continues an earlier turn, or starts like the first request) and a
+*compaction* when its history matches no recorded turn at all (the client summarised, or a
+sub-agent started). Either way the chain it leaves is frozen. At the end, `segments()`
+materializes the tree: the frozen chains first (kind "branch", in freeze order), then the
+current leaf ("final"), then any other leaf ("branch").
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from training.utils.config import AgentShimConfig
+from training.utils.deploy.completion import Completion
 from training.utils.errors import RecoverableRolloutError, TrainingError
 from training.utils.rl.agent.chat_format import ChatFormat
-from training.utils.rl.agent.chat_request import ChatRequest
+from training.utils.rl.agent.chat_request import ChatRequest, WireError
 from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.rollout.messages import ChatAssembler, ChatAssemblyError
 from training.utils.rl.rollout.stitching import Segment, TurnRecord, TurnTree
@@ -39,6 +46,7 @@ from training.utils.rl.rollout.turn_matching import (
     TurnDecision,
     TurnKind,
     TurnRequest,
+    common_prefix_len,
     make_fingerprinter,
     normalize_message,
     resolve_parent,
@@ -55,8 +63,8 @@ COUNTERS = (
     "turns",
     "new",
     "appends",
-    "wipes",
     "branches",
+    "compactions",
     "auxiliary",
     "integrity_failures",
     "sampling_failures",
@@ -66,12 +74,12 @@ COUNTERS = (
     "recording_failures",
     "client_disconnects",
 )
-"""Per-session event counts. `turns` recorded turns, of which `new` / `appends` / `wipes`
-(`branches`: WIPEs that continue an earlier turn rather than start a new root); `auxiliary`
-answered tool-less calls never recorded; `integrity_failures` sampler answers that broke the
-trace contract (also counted in `sampling_failures`); `render_fallbacks` continuations that
-could not extend the parent's exact tokens and were rendered afresh (stitching then splits);
-`client_disconnects` replies the client was gone for (nothing recorded)."""
+"""Per-session event counts. `turns` recorded turns, of which `new` / `appends` / `branches` (resumed from
+an earlier point than the latest turn: retries, edits) / `compactions` (a history that matches no recorded
+turn: a summary, a sub-agent's first request); `auxiliary` answered tool-less calls never recorded;
+`integrity_failures` sampler answers that broke the trace contract (also counted in `sampling_failures`);
+`render_fallbacks` continuations that could not extend the parent's exact tokens and were rendered afresh
+(stitching then splits); `client_disconnects` replies the client was gone for (nothing recorded)."""
 
 
 class ContextOverflowError(TrainingError, ValueError):
@@ -144,9 +152,14 @@ class PreparedTurn:
     request: ChatRequest
     """The request as the client sent it (translated to chat messages)."""
     restored: ChatRequest
-    """The same request with echoed replies replaced by the recorded ones (what is rendered)."""
+    """The same request with echoed replies replaced by the recorded ones and without a prefill (what is
+    rendered before the generation prompt)."""
     prompt_ids: list[int]
+    """The ids sent: the rendered history, the generation prompt, then the prefill's ids."""
     max_tokens: int
+    limited_by: str
+    """Which limit set `max_tokens`: "client" (its own max_tokens), "trainer" (`sampling.max_tokens`) or
+    "context" (the room left in the context)."""
     trainable: bool
     """False for an auxiliary (tool-less, `record_toolless=False`) call: answered, never recorded."""
     units: list | None = None
@@ -156,6 +169,10 @@ class PreparedTurn:
     render: str = "fresh"
     """"snapshot" (extended the parent's exact ids), "fresh" (whole request rendered) or "template"
     (rendered by the chat format because the assembler could not round-trip the text)."""
+    prefill: str | None = None
+    """The client's trailing assistant text the model continues (None: no prefill)."""
+    prefill_ids: list[int] = field(default_factory=list)
+    """Its ids, the end of `prompt_ids`."""
 
 
 @dataclass
@@ -170,6 +187,8 @@ class StagedTurn:
     identity: str | None = None
     message: dict = field(default_factory=dict)
     """The assistant chat message as recorded (with reasoning the client may not echo)."""
+    kind: str = ""
+    """What the turn is: "new", "append", "branch" or "compaction" (`ShimSession._turn_kind`)."""
 
 
 class ShimSession:
@@ -202,7 +221,7 @@ class ShimSession:
         """Set by `finish_session` / `discard_session`: requests still queued get 401."""
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.kinds: list[str] = []
-        """Decision of each recorded turn, in order ("new", "append", "wipe")."""
+        """What each recorded turn was, in order: "new", "append", "branch" or "compaction"."""
         self.first_error: str | None = None
         """Message of the first integrity or recording failure, for the run's metadata."""
         self.unrecorded_replies = 0
@@ -219,6 +238,7 @@ class ShimSession:
         self._leaf: int | None = None
         self._stored_units: list | None = None
         self._frozen: list[int] = []
+        self._root_requests: list[list] = []  # request units of each root turn: a request starting with one is a retry
         self._response_units: dict[int, list] = {}
         self._snapshots: dict[int, ChatAssembler | None] = {}
         self._recorded: dict[str, dict] = {}
@@ -243,7 +263,8 @@ class ShimSession:
         the chat template cannot render the request at all.
         """
         trainable = self._cfg.record_toolless or bool(request.tools)
-        restored = self.restore_recorded(request)
+        restored, prefill = self._split_prefill(self.restore_recorded(request))
+        prefill_ids = self._tokenizer.encode(prefill, add_special_tokens=False) if prefill else []
         units = decision = None
         if not trainable:
             prompt, assembler, how = self._fresh_prompt(restored)
@@ -251,7 +272,7 @@ class ShimSession:
             # The units are the prompt itself, so the prompt is rendered before matching: a request
             # continues a turn only when this fresh render starts with that turn's prompt + output.
             prompt, assembler, how = self._fresh_prompt(restored)
-            units = self._fingerprinter.units(TurnRequest(request.system, request.messages, prompt))
+            units = self._fingerprinter.units(TurnRequest(request.system, request.messages, prompt + prefill_ids))
             decision = resolve_parent(units, self._response_units, self._leaf, self._stored_units)
         else:
             units = self._fingerprinter.units(TurnRequest(request.system, request.messages))
@@ -260,8 +281,25 @@ class ShimSession:
                 prompt, assembler, how = self._fresh_prompt(restored)
             else:
                 prompt, assembler, how = self._continued_prompt(restored, decision.parent)
-        max_tokens = self._turn_max_tokens(request, len(prompt))
-        return PreparedTurn(request, restored, prompt, max_tokens, trainable, units, decision, assembler, how)
+        prompt = prompt + prefill_ids
+        max_tokens, limited_by = self._turn_max_tokens(request, len(prompt))
+        return PreparedTurn(request, restored, prompt, max_tokens, limited_by, trainable, units, decision,
+                            assembler, how, prefill, prefill_ids)
+
+    def _split_prefill(self, request: ChatRequest) -> tuple[ChatRequest, str | None]:
+        """The request without a trailing assistant message, and that message's text to continue (or None).
+
+        Anthropic's prefill: the reply continues the text in place, so the prompt is the history, the
+        generation prompt, then this text, with no end of turn between them.
+        """
+        if not request.messages or request.messages[-1].get("role") != "assistant":
+            return request, None
+        last = request.messages[-1]
+        if last.get("tool_calls"):
+            raise WireError(f"messages[{len(request.messages) - 1}] (the last message) is an assistant message with "
+                            "tool calls: send their results before asking for the next reply", param="messages")
+        text = self._chat_format.template_message(last)["content"]
+        return replace(request, messages=request.messages[:-1]), text
 
     def restore_recorded(self, request: ChatRequest) -> ChatRequest:
         """The request with each echoed assistant message replaced by the recorded reply it identifies.
@@ -305,10 +343,10 @@ class ShimSession:
         self.count("render_fallbacks")
         return self._fresh_prompt(request)
 
-    def _turn_max_tokens(self, request: ChatRequest, prompt_len: int) -> int:
-        limits = [self._max_tokens]
-        if request.max_tokens is not None:
-            limits.append(int(request.max_tokens))
+    def _turn_max_tokens(self, request: ChatRequest, prompt_len: int) -> tuple[int, str]:
+        """The least of the trainer's cap, the client's own and the room left, with which one it is (the client's
+        when it ties: it asked for that many)."""
+        limits = [(self._max_tokens, "trainer")]
         limit = self._cfg.max_context_tokens
         if limit:
             room = limit - prompt_len
@@ -321,8 +359,10 @@ class ShimSession:
                     prompt_len,
                     limit,
                 )
-            limits.append(room)
-        return min(limits)
+            limits.append((room, "context"))
+        if request.max_tokens is not None:
+            limits.insert(0, (int(request.max_tokens), "client"))
+        return min(limits, key=lambda limit_and_owner: limit_and_owner[0])
 
     # ------------------------------------------------------------------ 3. stage
 
@@ -333,8 +373,13 @@ class ShimSession:
         """Compute what recording needs; raises on any failure, changing nothing.
 
         `completion` is the sampler's `Completion` (checked into `record`), `echoed` the
-        assistant chat message a client echoes back for the wire response sent.
+        assistant chat message a client echoes back for the wire response sent. After a prefill the
+        client holds the prefill and the reply as one message, so that is what is recorded and matched.
         """
+        if prepared.prefill is not None:
+            prefilled = prepared.request.messages[-1].get("content") or ""
+            parsed = replace(parsed, content=prefilled + parsed.content)
+            echoed = {**echoed, "content": prefilled + (echoed.get("content") or "")}
         message = _recorded_message(parsed, echoed)
         staged = StagedTurn(prepared, record, response_id, message=message)
         record.metadata.update(response_id=response_id, parser_fallback=bool(parsed.parser_fallback),
@@ -342,14 +387,26 @@ class ShimSession:
         if not prepared.trainable:
             return staged
         request = prepared.request
-        record.metadata["decision"] = prepared.decision.kind.value
+        history = request.messages[:-1] if prepared.prefill is not None else request.messages
+        staged.kind = self._turn_kind(prepared.decision, prepared.units)
+        record.metadata["decision"] = staged.kind
         if self._fingerprinter.name == "token_prefix":
             staged.response_units = list(prepared.prompt_ids) + list(record.output_ids)
         else:
-            staged.response_units = self._fingerprinter.units(TurnRequest(request.system, request.messages + [echoed]))
+            staged.response_units = self._fingerprinter.units(TurnRequest(request.system, history + [echoed]))
         staged.identity = unit_hash(normalize_message(echoed))
         staged.snapshot = self._snapshot_after(prepared, completion, message)
         return staged
+
+    def _turn_kind(self, decision: TurnDecision, units: list) -> str:
+        """"new", "append", "branch" (resumes an earlier point: continues an earlier turn, or starts like a first
+        request) or "compaction" (matches no recorded turn)."""
+        if decision.kind is not TurnKind.WIPE:
+            return decision.kind.value
+        if decision.parent is not None:
+            return "branch"
+        retries_a_first_turn = any(common_prefix_len(root, units) == len(root) for root in self._root_requests)
+        return "branch" if retries_a_first_turn else "compaction"
 
     def _snapshot_after(self, prepared: PreparedTurn, completion: Any, message: dict) -> ChatAssembler | None:
         """The assembler holding this turn's prompt + sampled ids, to extend on the next turn."""
@@ -361,6 +418,8 @@ class ShimSession:
         after = self._chat_format.template_messages(replace(restored, messages=restored.messages + [message]))
         if len(after) != len(before) + 1 or after[:-1] != before or after[-1].get("role") != "assistant":
             return None  # the reply does not render as one appended assistant message
+        if prepared.prefill_ids:
+            completion = _with_prefill(completion, prepared.prefill_ids)
         try:
             assembler.add_completion(completion, message=after[-1])
         except (ChatAssemblyError, ValueError) as e:
@@ -381,23 +440,19 @@ class ShimSession:
         decision = prepared.decision
         if decision.kind is TurnKind.WIPE and self._leaf is not None:
             self._frozen.append(self._leaf)
-            self.count("wipes")
         if decision.parent is not None and decision.parent in self._frozen:
             self._frozen.remove(decision.parent)  # about to get a child: no longer a leaf
-        if decision.kind is TurnKind.WIPE and decision.parent is not None:
-            self.count("branches")
         node = self._tree.add(staged.record, decision.parent, response_id=staged.response_id)
+        if decision.parent is None:
+            self._root_requests.append(prepared.units)
         self._response_units[node] = staged.response_units
         self._snapshots[node] = staged.snapshot
         self._recorded[staged.identity] = staged.message
         self._leaf = node
         self._stored_units = prepared.units
-        self.kinds.append(decision.kind.value)
+        self.kinds.append(staged.kind)
         self.count("turns")
-        if decision.kind is TurnKind.NEW:
-            self.count("new")
-        elif decision.kind is TurnKind.APPEND:
-            self.count("appends")
+        self.count(_KIND_COUNTERS[staged.kind])
         return node
 
     # ------------------------------------------------------------------ end of the run
@@ -407,9 +462,9 @@ class ShimSession:
         self._accepting = False
 
     def segments(self) -> list[Segment]:
-        """The recorded tree as training segments: frozen chains ("wipe"), the current leaf ("final"),
+        """The recorded tree as training segments: frozen chains ("branch"), the current leaf ("final"),
         then any other leaf ("branch"); a shared prefix is trained on the first of them only."""
-        selected = [(leaf, "wipe") for leaf in self._frozen]
+        selected = [(leaf, "branch") for leaf in self._frozen]
         if self._leaf is not None:
             selected.append((self._leaf, "final"))
         taken = {leaf for leaf, _ in selected}
@@ -427,6 +482,24 @@ class ShimSession:
         if self.first_error:
             out["shim/first_error"] = self.first_error
         return out
+
+
+_KIND_COUNTERS = {"new": "new", "append": "appends", "branch": "branches", "compaction": "compactions"}
+
+
+def _with_prefill(completion: Any, prefill_ids: list[int]) -> Completion:
+    """The completion as a snapshot holds it: the prefill is part of the reply, and the prompt ends before it.
+
+    Only the ids matter (a snapshot tracks tokens, `_clone_assembler`); the prefill's logprobs are placeholders.
+    """
+    prompt = list(completion.prompt_ids)
+    return Completion(
+        output_ids=list(prefill_ids) + list(completion.output_ids),
+        logprobs=[0.0] * len(prefill_ids) + list(completion.logprobs),
+        finish_reason=completion.finish_reason,
+        versions=[],
+        prompt_ids=prompt[: len(prompt) - len(prefill_ids)],
+    )
 
 
 def _clone_assembler(snapshot: ChatAssembler) -> ChatAssembler:

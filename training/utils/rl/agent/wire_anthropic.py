@@ -5,13 +5,16 @@ blocks joined by a blank line and the volatile `x-anthropic-billing-header:` blo
 changes on every request, so keeping it would make every prompt differ). Each message becomes
 one or more chat messages, in order:
 
-    user text / image blocks        -> one user message per run of blocks (texts joined by "\\n")
+    user text blocks                -> one user message per run of blocks (texts joined by "\\n")
     user tool_result block          -> a `tool` message with its tool_call_id
     assistant text / thinking       -> content / reasoning_content (each joined by "\\n")
     assistant tool_use block        -> a tool call, `input` as canonical JSON arguments
     a `system` role inside messages -> folded in place into a `<system-reminder>` user message
 
-`cache_control`, `metadata`, `tool_choice`, `thinking` and other unknown fields are ignored.
+Blocks the text-only prompt cannot carry (image, document, ..., also inside a tool_result) are
+noted in `ChatRequest.unseen`: the server refuses them, or lets them through as placeholders
+(`agent_shim.unseen_content`). `cache_control`, `metadata`, `tool_choice`, `thinking` and other
+unknown fields are ignored.
 Responses put blocks in the order thinking, text, tool_use; streams send each block as one
 start / delta / stop triple, the way the official SDK accumulates them.
 """
@@ -25,7 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from training.utils.rl.agent import fields
-from training.utils.rl.agent.chat_request import ChatRequest, WireError, system_reminder
+from training.utils.rl.agent.chat_request import ChatRequest, UnseenPart, WireError, system_reminder
 from training.utils.rl.agent.hermes import ParsedOutput, decoded_arguments, retag_tool_call_id
 from training.utils.rl.agent.wire_format import Route, TurnCodec, WireFormat, WireServer, model_call_route
 from training.utils.rl.rollout.turn_matching import BILLING_HEADER_PREFIX, canonical_json
@@ -54,8 +57,9 @@ def new_message_id() -> str:
 def anthropic_request(body: Any) -> ChatRequest:
     """Validate a Messages (or count_tokens) request body and translate it; WireError names the bad field."""
     chat_messages: list[dict] = []
+    unseen: list[UnseenPart] = []
     for i, message in enumerate(fields.messages(body)):
-        chat_messages += _translate_message(message, f"messages[{i}]")
+        chat_messages += _translate_message(message, f"messages[{i}]", unseen)
     return ChatRequest(
         system=_system_text(body.get("system")),
         messages=chat_messages,
@@ -64,6 +68,7 @@ def anthropic_request(body: Any) -> ChatRequest:
         stop=fields.string_list(body, "stop_sequences", allow_string=False),
         stream=fields.flag(body, "stream"),
         model=fields.model(body),
+        unseen=unseen,
     )
 
 
@@ -87,7 +92,7 @@ def _text_block(block: Any, param: str) -> str:
     return block["text"]
 
 
-def _translate_message(message: Any, param: str) -> list[dict]:
+def _translate_message(message: Any, param: str, unseen: list[UnseenPart]) -> list[dict]:
     if not isinstance(message, dict):
         raise WireError(f"{param} must be an object, got {type(message).__name__}", param=param)
     role = message.get("role")
@@ -108,11 +113,11 @@ def _translate_message(message: Any, param: str) -> list[dict]:
             raise WireError(f"{param}.content[{j}] must be a block with a string 'type'", param=f"{param}.content[{j}]")
         blocks.append(block)
     if role == "assistant":
-        return [_assistant_message(blocks, param)]
-    return _user_messages(blocks, param)
+        return [_assistant_message(blocks, param, unseen)]
+    return _user_messages(blocks, param, unseen)
 
 
-def _user_messages(blocks: list[dict], param: str) -> list[dict]:
+def _user_messages(blocks: list[dict], param: str, unseen: list[UnseenPart]) -> list[dict]:
     """A user turn's blocks in order: runs of text become user messages, each tool_result a tool message."""
     out: list[dict] = []
     texts: list[str] = []
@@ -123,18 +128,18 @@ def _user_messages(blocks: list[dict], param: str) -> list[dict]:
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
             tool_use_id = fields.nonempty_string(block.get("tool_use_id"), f"{where}.tool_use_id")
-            out.append({"role": "tool", "content": _tool_result_text(block.get("content"), where),
+            out.append({"role": "tool", "content": _tool_result_text(block.get("content"), where, unseen),
                         "tool_call_id": tool_use_id})
         elif kind in ("tool_use", "thinking", "redacted_thinking"):
             raise WireError(f"{where} is a {kind} block, which only assistant messages carry", param=f"{where}.type")
         else:
-            texts.append(_block_text(block, where))
+            texts.append(_block_text(block, where, unseen))
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
 
 
-def _assistant_message(blocks: list[dict], param: str) -> dict:
+def _assistant_message(blocks: list[dict], param: str, unseen: list[UnseenPart]) -> dict:
     texts: list[str] = []
     thinking: list[str] = []
     tool_calls: list[dict] = []
@@ -151,7 +156,7 @@ def _assistant_message(blocks: list[dict], param: str) -> dict:
         elif kind == "tool_result":
             raise WireError(f"{where} is a tool_result block, which only user messages carry", param=f"{where}.type")
         else:
-            texts.append(_block_text(block, where))
+            texts.append(_block_text(block, where, unseen))
     message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
     if tool_calls:
         message["tool_calls"] = tool_calls
@@ -169,13 +174,13 @@ def _tool_use_call(block: dict, where: str) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": canonical_json(arguments)}}
 
 
-def _block_text(block: dict, where: str) -> str:
-    return fields.part_text(block, where, ("text",))
+def _block_text(block: dict, where: str, unseen: list[UnseenPart]) -> str:
+    return fields.part_text(block, where, ("text",), unseen, noun="block")
 
 
-def _tool_result_text(content: Any, where: str) -> str:
+def _tool_result_text(content: Any, where: str, unseen: list[UnseenPart]) -> str:
     return fields.content_text(content, f"{where}.content", text_types=("text",), part="block",
-                               accepted="a string or a list of blocks")
+                               accepted="a string or a list of blocks", unseen=unseen)
 
 
 def _function_tool(tool: dict, where: str) -> dict | None:
@@ -188,16 +193,25 @@ def _function_tool(tool: dict, where: str) -> dict | None:
 # ---------------------------------------------------------------------------- responses
 
 
-def anthropic_stop_reason(parsed: ParsedOutput, finish_reason: str) -> str:
+def anthropic_stop_reason(parsed: ParsedOutput, finish_reason: str, stop_sequence: str | None = None) -> str:
+    # Tool calls first: whatever else ended the reply, the agent has tools to run.
     if parsed.tool_calls:
         return "tool_use"
+    if stop_sequence is not None:
+        return "stop_sequence"
     return "max_tokens" if finish_reason == "length" else "end_turn"
 
 
 def anthropic_response(
-    parsed: ParsedOutput, message_id: str, *, model: str, finish_reason: str, prompt_tokens: int, output_tokens: int
+    parsed: ParsedOutput, message_id: str, *, model: str, finish_reason: str, prompt_tokens: int, output_tokens: int,
+    stop_sequence: str | None = None, token_logprobs: list | None = None,
 ) -> dict:
-    """A Messages API `message` object: thinking, text, then one tool_use block per call."""
+    """A Messages API `message` object: thinking, text, then one tool_use block per call.
+
+    `stop_sequence` is the client's stop sequence that ended the reply; the Messages API has no logprobs,
+    so `token_logprobs` is never sent."""
+    del token_logprobs
+    stop_reason = anthropic_stop_reason(parsed, finish_reason, stop_sequence)
     content: list[dict] = []
     if parsed.reasoning is not None:
         content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
@@ -217,8 +231,8 @@ def anthropic_response(
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": anthropic_stop_reason(parsed, finish_reason),
-        "stop_sequence": None,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence if stop_reason == "stop_sequence" else None,
         "usage": {
             "input_tokens": prompt_tokens,
             "output_tokens": output_tokens,
@@ -234,9 +248,10 @@ def _tool_input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"_raw_arguments": arguments}
 
 
-def anthropic_sse_events(response: dict) -> list[bytes]:
+def anthropic_sse_events(response: dict, request: ChatRequest | None = None) -> list[bytes]:
     """The response as a Messages stream: message_start, a start/delta/stop triple per block, message_delta,
-    message_stop."""
+    message_stop (the same whatever the `request`)."""
+    del request
     usage = response["usage"]
     start = {**response, "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {**usage, "output_tokens": 0}}
@@ -275,7 +290,7 @@ def _sse(event: str, data: dict) -> bytes:
 
 def anthropic_assistant_message(response: dict) -> dict:
     """The chat message `anthropic_request` makes of this response when a client echoes it back."""
-    (message,) = _translate_message({"role": "assistant", "content": response["content"]}, "content")
+    (message,) = _translate_message({"role": "assistant", "content": response["content"]}, "content", [])
     return message
 
 
@@ -294,9 +309,9 @@ def anthropic_overflow_message(prompt_tokens: int, limit: int) -> str:
 # ---------------------------------------------------------------------------- the wire format
 
 async def count_tokens(server: WireServer, request: web.Request) -> web.Response:
+    # Counting is not showing the model anything: unseen parts count as their placeholders.
     server.session_for(request)
-    count = server.chat_format.count_tokens(anthropic_request(await server.read_json(request)))
-    return web.json_response({"input_tokens": count})
+    return web.json_response({"input_tokens": await server.count_tokens(request, anthropic_request)})
 
 
 CODEC = TurnCodec(parse=anthropic_request, respond=anthropic_response, stream=anthropic_sse_events,

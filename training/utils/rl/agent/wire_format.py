@@ -33,8 +33,9 @@ class WireServer(Protocol):
     def session_for(self, request: web.Request) -> ShimSession:
         """The open session whose key the request presents; a WireError 401 otherwise."""
 
-    async def read_json(self, request: web.Request) -> Any:
-        """The request body as JSON; a WireError (400, 408, 413) when it is not."""
+    async def count_tokens(self, request: web.Request, parse: Callable[[Any], ChatRequest]) -> int:
+        """The prompt tokens of the request body as `parse` translates it, counted off the event loop; a WireError
+        (400, 408, 413) for a bad body."""
 
     async def model_call(self, request: web.Request, codec: TurnCodec) -> web.StreamResponse:
         """Answer a model request in the session's queue and record the turn."""
@@ -57,10 +58,14 @@ class TurnCodec:
     parse: Callable[[Any], ChatRequest]
     """request body -> ChatRequest (a WireError names the bad field)"""
     respond: Callable[..., dict]
-    """(parsed, response_id, *, model, finish_reason, prompt_tokens, output_tokens) -> response body"""
-    stream: Callable[[dict], list[bytes]]
-    """response -> stream events; the last two close the stream (Anthropic message_delta + message_stop,
-    OpenAI finish chunk + [DONE]), everything before them is the reply's content"""
+    """(parsed, response_id, *, model, finish_reason, prompt_tokens, output_tokens, stop_sequence, token_logprobs)
+    -> response body. `finish_reason` is what the client is told ("stop" or "length", `server.reported_finish`),
+    `stop_sequence` the client's stop sequence that ended the reply (or None), `token_logprobs` the (text,
+    logprob) of each sampled token when the client asked for them (else None)."""
+    stream: Callable[[dict, ChatRequest], list[bytes]]
+    """(response, the request it answers) -> stream events; the last two close the stream (Anthropic
+    message_delta + message_stop, OpenAI finish or usage chunk + [DONE]), everything before them is the reply's
+    content"""
     echo: Callable[[dict], dict]
     """response -> the assistant chat message a client sends back for it"""
     new_id: Callable[[], str]

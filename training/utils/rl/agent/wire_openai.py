@@ -2,15 +2,17 @@
 
 Request -> `ChatRequest`: a leading `system` or `developer` message is the system text; a later
 one is folded in place into a `<system-reminder>` user message. Content may be a string, null,
-or a list of parts (text parts joined by "\\n"; images, audio and files become placeholders).
-Assistant `tool_calls` keep their ids with canonical JSON arguments; an echoed
-`reasoning_content` is kept. `max_completion_tokens` wins over `max_tokens`; `stop` may be a
-string or a list. Unknown fields (temperature, stream_options, metadata, ...) are ignored.
+or a list of parts (text parts joined by "\\n"; images, audio and files are noted as unseen, which the
+server refuses or lets through as placeholders, `agent_shim.unseen_content`). Assistant `tool_calls` keep
+their ids with canonical JSON arguments; an echoed `reasoning_content` is kept. `max_completion_tokens`
+wins over `max_tokens`; `stop` may be a string or a list; `logprobs: true` is honoured (`top_logprobs` > 0
+is a 400). Unknown fields (temperature, metadata, ...) are ignored.
 
 Responses carry `reasoning_content` next to `content` (as vLLM and other OpenAI-compatible
 servers do), and `content: null` when the reply is only tool calls. A stream is one chunk with
 the role, reasoning and content, one chunk with every tool call whole (clients never have to
-merge argument fragments), a finish chunk with usage, then `[DONE]`.
+merge argument fragments), a finish chunk, a usage chunk with `choices: []` when
+`stream_options.include_usage` asks for it, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from typing import Any
 
 from training.utils.rl.agent import fields
-from training.utils.rl.agent.chat_request import ChatRequest, WireError, system_reminder
+from training.utils.rl.agent.chat_request import ChatRequest, UnseenPart, WireError, system_reminder
 from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.agent.wire_format import TurnCodec, WireFormat, model_call_route
 from training.utils.rl.rollout.turn_matching import canonical_arguments
@@ -45,8 +47,9 @@ def openai_request(body: Any) -> ChatRequest:
         raise WireError(f"n must be 1 (the shim samples one reply per request), got {n!r}", param="n")
     system = None
     chat_messages = []
+    unseen: list[UnseenPart] = []
     for i, message in enumerate(messages):
-        translated = _translate_message(message, f"messages[{i}]")
+        translated = _translate_message(message, f"messages[{i}]", unseen)
         if i == 0 and translated["role"] == "system":
             system = translated["content"]
         elif translated["role"] == "system":
@@ -64,17 +67,39 @@ def openai_request(body: Any) -> ChatRequest:
         stop=fields.string_list(body, "stop", allow_string=True),
         stream=fields.flag(body, "stream"),
         model=fields.model(body),
+        unseen=unseen,
+        logprobs=_logprobs_requested(body),
+        include_usage=_include_usage(body.get("stream_options")),
     )
 
 
-def _translate_message(message: Any, param: str) -> dict:
+def _logprobs_requested(body: dict) -> bool:
+    """`logprobs: true` is honoured (the sampled tokens' own logprobs); alternatives (`top_logprobs`) are not
+    sampled, so asking for them is a 400 rather than an answer without them."""
+    logprobs = fields.flag(body, "logprobs")
+    top = fields.optional_int(body, "top_logprobs", minimum=0)
+    if top:
+        raise WireError(f"top_logprobs={top} is not supported: the shim returns only the sampled tokens' logprobs "
+                        "(logprobs: true, top_logprobs 0 or absent)", param="top_logprobs")
+    return logprobs
+
+
+def _include_usage(options: Any) -> bool:
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise WireError(f"stream_options must be an object, got {options!r}", param="stream_options")
+    return fields.flag(options, "include_usage")
+
+
+def _translate_message(message: Any, param: str, unseen: list[UnseenPart]) -> dict:
     """One wire message as one chat message (`developer` becomes `system`; folding is the caller's)."""
     if not isinstance(message, dict):
         raise WireError(f"{param} must be an object, got {type(message).__name__}", param=param)
     role = message.get("role")
     if role not in _ROLES:
         raise WireError(f"{param}.role must be one of {', '.join(_ROLES)}; got {role!r}", param=f"{param}.role")
-    content = _content_text(message.get("content"), f"{param}.content")
+    content = _content_text(message.get("content"), f"{param}.content", unseen)
     if role in ("system", "developer"):
         return {"role": "system", "content": content}
     if role == "user":
@@ -96,9 +121,9 @@ def _translate_message(message: Any, param: str) -> dict:
     return out
 
 
-def _content_text(content: Any, param: str) -> str:
+def _content_text(content: Any, param: str, unseen: list[UnseenPart]) -> str:
     return fields.content_text(content, param, text_types=("text", "refusal"), part="part",
-                               accepted="a string, null or a list of parts")
+                               accepted="a string, null or a list of parts", unseen=unseen)
 
 
 def _tool_call(call: Any, param: str) -> dict:
@@ -131,6 +156,7 @@ def _function_tool(tool: dict, where: str) -> dict:
 
 
 def openai_finish_reason(parsed: ParsedOutput, finish_reason: str) -> str:
+    """`tool_calls`, `length`, or `stop` (also for a reply the client's stop sequence ended)."""
     if parsed.tool_calls:
         return "tool_calls"
     return "length" if finish_reason == "length" else "stop"
@@ -144,9 +170,14 @@ def openai_response(
     finish_reason: str,
     prompt_tokens: int,
     output_tokens: int,
+    stop_sequence: str | None = None,
+    token_logprobs: list[tuple[str, float]] | None = None,
     created: int | None = None,
 ) -> dict:
-    """A `chat.completion` object with one choice."""
+    """A `chat.completion` object with one choice; `token_logprobs` (text and logprob of each sampled token)
+    fills `choices[0].logprobs` when the client asked for them. Chat Completions does not name the stop
+    sequence that matched, so `stop_sequence` only makes the finish reason `stop`."""
+    del stop_sequence
     message: dict[str, Any] = {"role": "assistant"}
     if parsed.reasoning is not None:
         message["reasoning_content"] = parsed.reasoning
@@ -161,7 +192,7 @@ def openai_response(
         "created": int(time.time()) if created is None else created,
         "model": model,
         "choices": [
-            {"index": 0, "message": message, "logprobs": None,
+            {"index": 0, "message": message, "logprobs": _logprobs_body(token_logprobs),
              "finish_reason": openai_finish_reason(parsed, finish_reason)}
         ],
         "usage": {
@@ -172,32 +203,44 @@ def openai_response(
     }
 
 
-def openai_sse_chunks(response: dict) -> list[bytes]:
-    """The response as a stream: role/reasoning/content chunk, tool_calls chunk (if any), finish chunk with usage,
-    [DONE]."""
+def _logprobs_body(token_logprobs: list[tuple[str, float]] | None) -> dict | None:
+    if token_logprobs is None:
+        return None
+    content = [{"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
+               for text, logprob in token_logprobs]
+    return {"content": content, "refusal": None}
+
+
+def openai_sse_chunks(response: dict, request: ChatRequest | None = None) -> list[bytes]:
+    """The response as a stream: role/reasoning/content chunk (with the logprobs, if any), tool_calls chunk (if
+    any), finish chunk, then, when `request` asked for it (`stream_options.include_usage`), a usage chunk with
+    `choices: []` as OpenAI sends it, and [DONE]."""
     choice = response["choices"][0]
     message = choice["message"]
     head = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
             "model": response["model"]}
 
-    def chunk(delta: dict, finish_reason: str | None = None, **extra: Any) -> bytes:
-        data = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-                **extra}
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    def chunk(choices: list[dict], **extra: Any) -> bytes:
+        return f"data: {json.dumps({**head, 'choices': choices, **extra}, ensure_ascii=False)}\n\n".encode()
+
+    def delta(fields_: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> bytes:
+        return chunk([{"index": 0, "delta": fields_, "logprobs": logprobs, "finish_reason": finish_reason}])
 
     first = {key: message[key] for key in ("role", "reasoning_content", "content") if key in message}
-    chunks = [chunk(first)]
+    chunks = [delta(first, logprobs=choice["logprobs"])]
     if message.get("tool_calls"):
         calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        chunks.append(chunk({"tool_calls": calls}))
-    chunks.append(chunk({}, choice["finish_reason"], usage=response["usage"]))
+        chunks.append(delta({"tool_calls": calls}))
+    chunks.append(delta({}, choice["finish_reason"]))
+    if request is not None and request.include_usage:
+        chunks.append(chunk([], usage=response["usage"]))
     chunks.append(b"data: [DONE]\n\n")
     return chunks
 
 
 def openai_assistant_message(response: dict) -> dict:
     """The chat message `openai_request` makes of this response when a client echoes it back."""
-    return _translate_message(response["choices"][0]["message"], "message")
+    return _translate_message(response["choices"][0]["message"], "message", [])
 
 
 def openai_error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
