@@ -61,8 +61,8 @@ class TrainerConfig(StrictModel):
     Logprobs, entropies and gradients are those of the datums apart; the budget counts the tokens computed.
     Datums join while that lowers the estimated compute (a prefix of at least 8 tokens, dense-mask attention
     counted). `auto`: on where the model's attention takes a custom mask (`sdpa`, `eager`, `flex_attention`),
-    off for flash-attention kernels; `on` raises for those. On a (shared, noisy) 2-core CPU the main job's
-    trainer step ran 2.5x faster, computing 4x fewer tokens (benchmarks/RESULTS.md)."""
+    off for flash-attention kernels; `on` raises for those. On a quiet 2-core CPU the main job's
+    trainer step ran 3.8x faster, computing 4x fewer tokens (benchmarks/RESULTS.md)."""
     precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
     """Trainer numerics. `fp32`: float32 everywhere. `bf16-autocast`: float32 weights, gradients and AdamW state,
     matmuls in bfloat16 under autocast. `bf16`: bfloat16 weights and AdamW state (half the memory, but an update
