@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import anthropic
+import openai
 import torch
 
 from training.utils.config import AgentShimConfig, DeploymentConfig
@@ -150,3 +152,13 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+def anthropic_client(session, **kw) -> anthropic.AsyncAnthropic:
+    """The official Anthropic SDK pointed at a shim session, retries off (a test sees the first answer)."""
+    return anthropic.AsyncAnthropic(base_url=session.base_url, api_key=session.key, max_retries=0, **kw)
+
+
+def openai_client(session) -> openai.AsyncOpenAI:
+    """The official OpenAI SDK pointed at a shim session, retries off."""
+    return openai.AsyncOpenAI(base_url=session.base_url + "/v1", api_key=session.key, max_retries=0)

@@ -10,16 +10,16 @@ from __future__ import annotations
 import asyncio
 import json
 
-import anthropic
-import openai
 import pytest
 
 from shim_support import (
     ASSISTANT_HEADER,
+    anthropic_client,
     assert_chain,
     bridge,
     chatml,
     make_tiny,
+    openai_client,
     outputs,
     scripted,
     shim_stack,
@@ -49,13 +49,6 @@ SYSTEM = "You are terse."
 def tiny():
     return make_tiny(0)
 
-
-def anthropic_client(session) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=session.base_url, api_key=session.key, max_retries=0)
-
-
-def openai_client(session) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=session.base_url + "/v1", api_key=session.key, max_retries=0)
 
 
 def echo_anthropic(message) -> dict:

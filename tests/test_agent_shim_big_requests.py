@@ -125,6 +125,23 @@ async def post_big(http: aiohttp.ClientSession, url: str, body: bytes, key: str,
         return resp.status, await resp.json(content_type=None), time.monotonic() - start
 
 
+async def while_others_are_served(shim, send):
+    """`await send(http)` while `/healthz` is polled and another session streams; returns its result, the healthz
+    latencies, the stream's SSE arrival times and the number of streams it finished."""
+    streaming = shim.open_session()
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession() as http:
+        health = asyncio.create_task(poll_healthz(http, shim.base_url, stop))
+        stream = asyncio.create_task(stream_until(streaming, stop))
+        await asyncio.sleep(0.5)  # both monitors running
+        result = await send(http)
+        await asyncio.sleep(0.3)
+        stop.set()
+        latencies = await health
+        arrivals, streams = await stream
+    return result, latencies, arrivals, streams
+
+
 def test_a_40mb_body_is_refused_while_other_sessions_keep_streaming(tiny):
     """With a 64 MiB limit the body is read and parsed, then refused on its text's length alone: a lower-bound
     overflow in Anthropic's wording. Meanwhile /healthz answers within 200 ms and the other session's stream
@@ -134,19 +151,14 @@ def test_a_40mb_body_is_refused_while_other_sessions_keep_streaming(tiny):
 
     async def scenario():
         async with shim_stack(tiny, max_body_bytes=64 * 2**20) as (shim, spy):
-            heavy, streaming = shim.open_session(), shim.open_session()
-            stop = asyncio.Event()
-            async with aiohttp.ClientSession() as http:
-                health = asyncio.create_task(poll_healthz(http, shim.base_url, stop))
-                stream = asyncio.create_task(stream_until(streaming, stop))
-                await asyncio.sleep(0.5)  # both monitors running
+            heavy = shim.open_session()
+
+            async def send(http):
                 with PeakRss() as rss:
-                    status, body, elapsed = await post_big(http, shim.base_url + "/v1/messages", big, heavy.key)
-                await asyncio.sleep(0.3)
-                stop.set()
-                latencies = await health
-                arrivals, streams = await stream
-            return status, body, elapsed, rss.growth, latencies, arrivals, streams, heavy, spy
+                    return *await post_big(http, shim.base_url + "/v1/messages", big, heavy.key), rss.growth
+
+            (status, body, elapsed, growth), latencies, arrivals, streams = await while_others_are_served(shim, send)
+            return status, body, elapsed, growth, latencies, arrivals, streams, heavy, spy
 
     status, body, elapsed, growth, latencies, arrivals, streams, heavy, spy = asyncio.run(scenario())
     print(f"40 MB body answered in {elapsed:.2f}s; server process RSS grew {growth / 2**20:.0f} MiB; "
@@ -291,18 +303,12 @@ def test_counting_a_large_body_never_stalls_the_other_sessions(tiny):
 
     async def scenario():
         async with shim_stack(tiny, max_body_bytes=64 * 2**20) as (shim, spy):
-            counting, streaming = shim.open_session(), shim.open_session()
-            stop = asyncio.Event()
-            async with aiohttp.ClientSession() as http:
-                health = asyncio.create_task(poll_healthz(http, shim.base_url, stop))
-                stream = asyncio.create_task(stream_until(streaming, stop))
-                await asyncio.sleep(0.5)
-                status, answer, elapsed = await post_big(http, shim.base_url + "/v1/messages/count_tokens", body,
-                                                         counting.key)
-                await asyncio.sleep(0.3)
-                stop.set()
-                latencies = await health
-                arrivals, streams = await stream
+            counting = shim.open_session()
+
+            async def send(http):
+                return await post_big(http, shim.base_url + "/v1/messages/count_tokens", body, counting.key)
+
+            (status, answer, elapsed), latencies, arrivals, streams = await while_others_are_served(shim, send)
             expected = shim.chat_format.count_tokens(anthropic_request(json.loads(body)))
             return status, answer, elapsed, latencies, arrivals, streams, expected
 

@@ -17,7 +17,16 @@ import anthropic
 import openai
 import pytest
 
-from shim_support import make_tiny, outputs, scripted, shim_stack, trained_tokens, wait_until
+from shim_support import (
+    anthropic_client,
+    make_tiny,
+    openai_client,
+    outputs,
+    scripted,
+    shim_stack,
+    trained_tokens,
+    wait_until,
+)
 from training.utils.config import AgentShimConfig
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 from training.utils.rl.agent import AgentShim, TraceIntegrityError
@@ -33,13 +42,6 @@ OPENAI_BODY = {"model": "m", "messages": [USER]}
 def tiny():
     return make_tiny(0)
 
-
-def anthropic_client(session, **kw) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=session.base_url, api_key=session.key, max_retries=0, **kw)
-
-
-def openai_client(session) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=session.base_url + "/v1", api_key=session.key, max_retries=0)
 
 
 async def post(http, url, body, key=None, *, raw: bytes | None = None):

@@ -18,7 +18,18 @@ import anthropic
 import openai
 import pytest
 
-from shim_support import ASSISTANT_HEADER, IM_END, chatml, make_tiny, outputs, scripted, shim_stack, trained_tokens
+from shim_support import (
+    ASSISTANT_HEADER,
+    IM_END,
+    anthropic_client,
+    chatml,
+    make_tiny,
+    openai_client,
+    outputs,
+    scripted,
+    shim_stack,
+    trained_tokens,
+)
 from training.examples.rl.blackbox_agent import rollout
 from training.examples.rl.blackbox_agent.rollout import AgentResult
 from training.utils.config import AgentShimConfig, DeploymentConfig
@@ -37,13 +48,6 @@ OPENAI_TOOLS = [{"type": "function", "function": {"name": "read_file", "descript
 def tiny():
     return make_tiny(0)
 
-
-def anthropic_client(session) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=session.base_url, api_key=session.key, max_retries=0)
-
-
-def openai_client(session) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=session.base_url + "/v1", api_key=session.key, max_retries=0)
 
 
 def stopped_by_string(tokenizer, completion, text: str):
