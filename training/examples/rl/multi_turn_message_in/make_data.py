@@ -1,9 +1,9 @@
 """Write procedurally generated multi-step arithmetic word problems to data/{train,eval}.jsonl.
 
 Each row: {"id", "messages": [two worked examples as earlier chat turns, then the problem with
-the \\boxed{} instruction], "answer"}. Every problem takes two operations on numbers below 10
-and has a whole-number answer: SmolLM2-135M-Instruct gets few right at first (see README), so
-there is room to learn. The same seed writes the same files.
+the \\boxed{} instruction], "answer"}. Problems take one or two operations on small numbers and
+have whole-number answers; half are two-step, which SmolLM2-135M-Instruct rarely gets right at
+first (see README), so there is room to learn. The same seed writes the same files.
 
     python training/examples/rl/multi_turn_message_in/make_data.py [--train 512 --eval 64 --seed 0]
 """
@@ -32,15 +32,6 @@ NAMES = ["Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Ines",
 ITEMS = ["apples", "marbles", "stickers", "cookies", "pencils", "books", "shells", "cards", "stamps", "balloons"]
 
 
-def gain_then_loss(rng: random.Random) -> tuple[str, int]:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    start, bought = rng.randint(2, 9), rng.randint(2, 9)
-    lost = rng.randint(1, min(5, start + bought - 1))
-    question = (f"{name} has {start} {item}. {name} buys {bought} more {item} and then gives {lost} "
-                f"{item} to a friend. How many {item} does {name} have now?")
-    return question, start + bought - lost
-
-
 def one_gain(rng: random.Random) -> tuple[str, int]:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     start, found = rng.randint(2, 9), rng.randint(2, 9)
@@ -55,14 +46,6 @@ def packs(rng: random.Random) -> tuple[str, int]:
     return question, count * per_pack
 
 
-def two_gains(rng: random.Random) -> tuple[str, int]:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    start, first, second = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 9)
-    question = (f"{name} has {start} {item}. A friend gives {name} {first} {item}, and then {name} finds "
-                f"{second} more {item}. How many {item} does {name} have now?")
-    return question, start + first + second
-
-
 def packs_plus_loose(rng: random.Random) -> tuple[str, int]:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     packs, per_pack, loose = rng.randint(2, 4), rng.randint(2, 5), rng.randint(2, 6)
@@ -71,11 +54,11 @@ def packs_plus_loose(rng: random.Random) -> tuple[str, int]:
     return question, packs * per_pack + loose
 
 
-# First-turn accuracy of SmolLM2-135M-Instruct with these worked examples (temperature 0.8, max_tokens 48,
-# 32 draws each): one_gain 0.34, packs 0.53, packs_plus_loose 0.41. With two-step worked examples only it
-# was gain_then_loss 0.09, two_gains 0.03; "gives N to a friend" alone 0.03. Kinds that score near 0
-# were left out: a group whose draws all score 0 teaches nothing.
-PROBLEM_KINDS = [one_gain, packs, packs_plus_loose, gain_then_loss]
+# Reward of the untrained SmolLM2-135M-Instruct at temperature 0.8 and max_tokens 32 (README, "Data"):
+# one_gain 0.52, packs 0.61, packs_plus_loose 0.14 (0.63 of its replies truncated). Two-step problems
+# carry the most to learn, so they are drawn twice as often. "Gives N to a friend" problems scored 0.00
+# and were left out: a group whose draws all score 0 teaches nothing.
+PROBLEM_KINDS = [one_gain, packs, packs_plus_loose, packs_plus_loose]
 
 
 def make_rows(count: int, seed: int, split: str) -> list[dict]:

@@ -17,8 +17,9 @@ from training.utils.rl.rollout.types import RolloutSample, RolloutSetup
 
 RETRY_MESSAGE = {
     "role": "user",
-    "content": "That answer is wrong or has no \\boxed{} number. Read the question again, "
-    "work through it step by step, and give the final answer within \\boxed{}.",
+    # Short on purpose: "work through it step by step" made the second reply ramble past max_tokens.
+    "content": "That answer is wrong or has no \\boxed{} number. Read the question again and give "
+    "only the equations and the final answer within \\boxed{}.",
 }
 
 
