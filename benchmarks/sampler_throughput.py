@@ -93,19 +93,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def load(args) -> tuple[torch.nn.Module, object]:
-    """`--model`, or with `--random-init` its config with fresh random weights (no weight files needed)."""
-    if not args.random_init:
-        return load_model_and_tokenizer(args.model, device=args.device)
+def load(model_name: str, random_init: bool = False, device: str | None = None) -> tuple[torch.nn.Module, object]:
+    """`model_name`, or with `random_init` its config with fresh random weights (no weight files needed)."""
+    if not random_init:
+        return load_model_and_tokenizer(model_name, device=device)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from training.utils.model import default_device, default_dtype, load_tokenizer
 
-    device = torch.device(args.device) if args.device else default_device()
-    config = AutoConfig.from_pretrained(args.model, local_files_only=True)
+    device = torch.device(device) if device else default_device()
+    config = AutoConfig.from_pretrained(model_name, local_files_only=True)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=default_dtype(device), attn_implementation="sdpa")
-    return model, load_tokenizer(args.model)
+    return model, load_tokenizer(model_name)
 
 
 @torch.inference_mode()
@@ -173,7 +173,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, tokenizer = load(args)
+    model, tokenizer = load(args.model, args.random_init, args.device)
     model.eval()
     vocab = min(len(tokenizer), model.config.vocab_size)
     device_name = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"

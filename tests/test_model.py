@@ -91,6 +91,7 @@ def test_auto_precision_is_bf16_only_where_the_cpu_has_it(monkeypatch, capabilit
     from training.utils.trainer import resolve_precision
 
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    monkeypatch.delenv("TRAINING_CPU_BF16", raising=False)
     cpu = torch.device("cpu")
     assert native_bf16(cpu) is native
     assert resolve_precision(TrainerConfig(), cpu) == ("bf16-autocast" if native else "fp32")
@@ -99,3 +100,8 @@ def test_auto_precision_is_bf16_only_where_the_cpu_has_it(monkeypatch, capabilit
     assert resolve_precision(TrainerConfig(precision="fp32"), cpu) == "fp32"
     assert engine_dtype(DeploymentConfig(dtype="float32"), cpu) == torch.float32
     assert engine_dtype(DeploymentConfig(dtype="bfloat16"), cpu) == torch.bfloat16
+    # TRAINING_CPU_BF16 overrides what the CPU reports, either way.
+    for override, forced in (("0", False), ("1", True)):
+        monkeypatch.setenv("TRAINING_CPU_BF16", override)
+        assert native_bf16(cpu) is forced
+        assert resolve_precision(TrainerConfig(), cpu) == ("bf16-autocast" if forced else "fp32")

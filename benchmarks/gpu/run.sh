@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root, one part per device call (each fits in 10 minutes):
 #   bash benchmarks/gpu/run.sh tests      # nvidia-smi + tests/test_gpu.py + the trainer/deploy tests on CUDA
-#   bash benchmarks/gpu/run.sh trainer    # trainer tokens/s and MFU: SmolLM2 shape and a 1.1B Llama, padded vs packed
-#   bash benchmarks/gpu/run.sh sampler    # engine (CUDA graphs, eager) vs generate at 64 and 256 requests; weight sync
+#   bash benchmarks/gpu/run.sh trainer    # trainer tokens/s and MFU: SmolLM2 shape and a 1.1B Llama, padded vs packed;
+#                                         # grouped RL batches (main job, TRL shape), padded vs shared prefixes
+#   bash benchmarks/gpu/run.sh sampler    # engine (CUDA graphs, eager) vs generate at 64 and 256 requests; weight sync;
+#                                         # engine prefill tokens per step with and without the prefix cache
 #   bash benchmarks/gpu/run.sh async      # async vs sync recipe on the GPU
 # with `carry: [".whl", ".gpu_assets"]` after `bash benchmarks/gpu/prepare.sh` here. Logs go to $OUT.
 set -uo pipefail
@@ -26,12 +28,21 @@ trainer)
                 "--shape llama-1b --batch 32 --seq-len 2048 --attn flex_attention --layouts packed --compile-layers"; do
         python3 benchmarks/trainer_throughput.py --max-tokens-per-microbatch 8192 $args --steps 3 2>&1 | tee -a "$log"
     done
+    # Shared prefixes: a group's prompt computed once. sdpa takes the boolean block mask; flex its block mask
+    # (share_prefixes="auto" leaves flash attention unshared).
+    for args in "--workload main-job --batch 64" "--workload trl --batch 64" "--workload trl --batch 512" \
+                "--workload trl --batch 512 --attn flex_attention"; do
+        python3 benchmarks/trainer_throughput.py --shape smollm2-135m $args --layouts padded,shared \
+            --max-tokens-per-microbatch 16384 --steps 3 2>&1 | tee -a "$log"
+    done
     ;;
 sampler)
     for steps in graphs eager; do
         python3 benchmarks/sampler_throughput.py --model $smol --random-init --requests 64 256 --max-tokens 256 \
             --decode-steps $steps $([ $steps = eager ] && echo --no-sync) 2>&1 | tee -a "$log"
     done
+    # Random weights ramble to max_tokens, so the multi-turn retry always fires: token counts, not learning.
+    python3 benchmarks/prefix_cache.py --model $smol --random-init --steps 2 2>&1 | tee -a "$log"
     ;;
 async)
     python3 benchmarks/async_vs_sync.py 2>&1 | tee "$log"

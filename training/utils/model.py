@@ -58,11 +58,16 @@ def default_device() -> torch.device:
 
 def native_bf16(device: torch.device) -> bool:
     """Whether bfloat16 compute is native (so faster than float32) on `device`: any CUDA device, or a CPU with
-    AVX512-BF16 or AMX (x86) or the BF16 extension (Arm), read from torch's cpuinfo at run time."""
+    AVX512-BF16 or AMX (x86) or the BF16 extension (Arm), read from torch's cpuinfo at run time.
+    `TRAINING_CPU_BF16=0` (or `1`) overrides the CPU's answer for every `auto` choice of this process and its
+    children (the test suite sets 0, so its float32 tolerances hold on any CPU)."""
     if device.type == "cuda":
         return True
     if device.type != "cpu":
         return False
+    override = os.environ.get("TRAINING_CPU_BF16")
+    if override in ("0", "1"):
+        return override == "1"
     capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return any(capabilities.get(flag) is True for flag in ("avx512_bf16", "amx_bf16", "bf16"))
 
