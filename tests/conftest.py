@@ -6,5 +6,5 @@ import torch
 
 torch.set_num_threads(1)
 # The suite checks numbers at float32 tolerances: `precision="auto"` and `deployment.dtype="auto"` must not pick
-# bf16 because the machine running it has native bf16 (inherited by torchrun and agent subprocesses too).
+# bf16 because the machine running it has native bf16 (torchrun workers inherit it too).
 os.environ.setdefault("TRAINING_CPU_BF16", "0")
