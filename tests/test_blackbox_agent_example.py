@@ -313,6 +313,11 @@ def test_make_rollout_fn_needs_the_shim():
         make_rollout_fn(rollout_setup(None, None))
 
 
+def test_make_rollout_fn_refuses_a_check_that_is_not_a_bool():
+    with pytest.raises(ConfigError, match="rollout_extras check='no'; it must be True or False"):
+        make_rollout_fn(rollout_setup(object(), None, check="no"))
+
+
 # ---------------------------------------------------------------------------- the recipe
 
 

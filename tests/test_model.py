@@ -105,3 +105,6 @@ def test_auto_precision_is_bf16_only_where_the_cpu_has_it(monkeypatch, capabilit
         monkeypatch.setenv("TRAINING_CPU_BF16", override)
         assert native_bf16(cpu) is forced
         assert resolve_precision(TrainerConfig(), cpu) == ("bf16-autocast" if forced else "fp32")
+    monkeypatch.setenv("TRAINING_CPU_BF16", "yes")
+    with pytest.raises(ValueError, match="TRAINING_CPU_BF16='yes': set it to 0"):
+        native_bf16(cpu)

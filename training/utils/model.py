@@ -65,8 +65,10 @@ def native_bf16(device: torch.device) -> bool:
         return True
     if device.type != "cpu":
         return False
-    override = os.environ.get("TRAINING_CPU_BF16")
-    if override in ("0", "1"):
+    override = os.environ.get("TRAINING_CPU_BF16", "")
+    if override not in ("", "0", "1"):
+        raise ValueError(f"TRAINING_CPU_BF16={override!r}: set it to 0 (float32) or 1 (bf16), or unset it")
+    if override:
         return override == "1"
     capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return any(capabilities.get(flag) is True for flag in ("avx512_bf16", "amx_bf16", "bf16"))

@@ -149,7 +149,9 @@ def make_rollout_fn(setup: RolloutSetup):
             "the blackbox_agent example needs the agent shim: set agent_shim=AgentShimConfig(enabled=True)"
         )
     max_turns = int(setup.extras.get("max_turns", 4))
-    check = bool(setup.extras.get("check", True))
+    check = setup.extras.get("check", True)
+    if not isinstance(check, bool):  # bool("false") is True: a string here is a mistake, not a choice
+        raise ConfigError(f"rollout_extras check={check!r}; it must be True or False")
     timeout_s = float(setup.extras.get("agent_timeout_s", 240.0))
     stream = bool(setup.extras.get("stream", False))
     runs_log = setup.extras.get("runs_log")
