@@ -33,6 +33,8 @@ slot's mask is 0 from column L on, so a step may attend over any number of colum
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +47,17 @@ from transformers.cache_utils import Cache, DynamicLayer
 _GROW_COLUMNS = 64
 # Buffer allocations, numbered: a batch's `generation` names the buffers it holds.
 _generations = itertools.count()
+
+
+@functools.cache
+def _cache_arg_name(model_cls: type) -> str:
+    # transformers renamed `past_key_values` to `cache` (5.2x) and warns on the old name.
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
+
+
+def cache_kwarg(model, cache: Cache) -> dict:
+    """The keyword `model.forward` takes its KV cache under, in this transformers version."""
+    return {_cache_arg_name(type(model)): cache}
 
 
 class SlotLayer(DynamicLayer):
@@ -181,7 +194,7 @@ class KVBatch:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=batch.cache,
+            **cache_kwarg(model, batch.cache),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -232,7 +245,7 @@ class KVBatch:
             input_ids=tokens_B[:, None],
             attention_mask=self.mask_buf[:B, : L + 1],
             position_ids=self.next_pos[:B, None],
-            past_key_values=self.cache,
+            **cache_kwarg(model, self.cache),
             use_cache=True,
         )
         self.length = L + 1

@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from training.utils.config import DeploymentConfig
-from training.utils.deploy.decode import KVBatch, SlotLayer, next_power_of_two
+from training.utils.deploy.decode import KVBatch, SlotLayer, cache_kwarg, next_power_of_two
 from training.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class DecodeSteps:
             input_ids=self.tokens[:rows, None],
             attention_mask=mask,
             position_ids=batch.next_pos[:rows, None],
-            past_key_values=Cache(layers=layers),
+            **cache_kwarg(self.model, Cache(layers=layers)),
             cache_position=self.write_col,
             use_cache=True,
         )
