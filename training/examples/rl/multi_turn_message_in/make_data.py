@@ -2,7 +2,7 @@
 
 Each row: {"id", "messages": [two worked examples as earlier chat turns, then the problem with
 the \\boxed{} instruction], "answer"}. Problems take one or two operations on small numbers and
-have whole-number answers; half are two-step, which SmolLM2-135M-Instruct rarely gets right at
+have whole-number answers; a quarter are two-step, which SmolLM2-135M-Instruct rarely gets right at
 first (see README), so there is room to learn. The same seed writes the same files.
 
     python training/examples/rl/multi_turn_message_in/make_data.py [--train 512 --eval 64 --seed 0]
@@ -55,10 +55,11 @@ def packs_plus_loose(rng: random.Random) -> tuple[str, int]:
 
 
 # Reward of the untrained SmolLM2-135M-Instruct at temperature 0.8 and max_tokens 32 (README, "Data"):
-# one_gain 0.52, packs 0.61, packs_plus_loose 0.14 (0.63 of its replies truncated). Two-step problems
-# carry the most to learn, so they are drawn twice as often. "Gives N to a friend" problems scored 0.00
-# and were left out: a group whose draws all score 0 teaches nothing.
-PROBLEM_KINDS = [one_gain, packs, packs_plus_loose, packs_plus_loose]
+# one_gain about 0.55, packs 0.4-0.6, packs_plus_loose 0.12 (two thirds of its replies truncated).
+# Training lifts the one-step kinds most, so they make up three quarters of the draws; a quarter stay
+# two-step. "Gives N to a friend" problems scored 0.00 and were left out: a group whose draws all
+# score 0 teaches nothing.
+PROBLEM_KINDS = [one_gain, one_gain, packs, packs_plus_loose]
 
 
 def make_rows(count: int, seed: int, split: str) -> list[dict]:

@@ -17,8 +17,8 @@ from training.utils.rl.evaluation import rollout_evaluation
 rollout_extras = {"max_turns": 2}
 cfg = Config(
     model="smollm2-135m-instruct", log_path="runs/multi_turn_message_in",
-    completions_per_prompt=8, prompt_groups_per_step=4, max_steps=28, max_head_offpolicy_versions=1,
-    sampling=SamplingConfig(max_tokens=32, temperature=0.8), trainer=TrainerConfig(learning_rate=3e-5),
+    completions_per_prompt=8, prompt_groups_per_step=8, max_steps=16, max_head_offpolicy_versions=1,
+    sampling=SamplingConfig(max_tokens=32, temperature=0.8), trainer=TrainerConfig(learning_rate=2e-5),
 )
 
 if __name__ == "__main__":
