@@ -583,13 +583,14 @@ def test_an_edited_adamw_state_that_overflows_raises(model):
         trainer.optim_step()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["per-tensor", "fused"])  # the trainer uses fused on CPU
 @pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999), (0.0, 0.5), (0.5, 0.3), (0.0, 0.0)])
-def test_adam_step_bound_holds_for_wild_gradients(betas):
+def test_adam_step_bound_holds_for_wild_gradients(betas, fused):
     from training.utils.trainer.optim import adam_step_bound
 
     generator = torch.Generator().manual_seed(0)
     weights = torch.zeros(4096, requires_grad=True)
-    optimizer = torch.optim.AdamW([weights], lr=1.0, betas=betas, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([weights], lr=1.0, betas=betas, weight_decay=0.0, fused=fused)
     largest_move = 0.0
     for _ in range(60):
         # Scales spanning 12 orders of magnitude from one step to the next.
@@ -600,6 +601,18 @@ def test_adam_step_bound_holds_for_wild_gradients(betas):
         largest_move = max(largest_move, (weights.detach() - before).abs().max().item())
     assert largest_move <= adam_step_bound(1.0, betas) * (1 + 1e-4)
     assert adam_step_bound(1.0, (0.9, 0.8)) == math.inf  # β1² ≥ β2: no step-independent bound
+
+
+def test_max_abs_reads_every_tensor_and_reads_nan_as_inf():
+    from training.utils.trainer.optim import max_abs
+
+    mixed = [torch.tensor([1.0, -5.0]), torch.empty(0), torch.tensor([[2.0]], dtype=torch.bfloat16)]
+    assert max_abs(mixed).item() == 5.0
+    assert max_abs([torch.tensor([-7.5]), torch.tensor([3.0])]).item() == 7.5  # a negative extreme counts
+    assert max_abs([torch.tensor([1.0, float("nan")]), torch.tensor([2.0])]).item() == math.inf
+    assert max_abs([torch.tensor([-math.inf])]).item() == math.inf
+    assert max_abs([torch.empty(0)]).item() == 0.0
+    assert max_abs([]).item() == 0.0
 
 
 # ---- the compiled layers' start-up check -----------------------------------------------

@@ -167,7 +167,9 @@ class Trainer:
             param_groups(model, cfg.weight_decay),
             lr=cfg.learning_rate,
             betas=cfg.adam_betas,
-            fused=self.device.type == "cuda",
+            # The fused kernel exists for CPU too; there it measured 5x faster than the default per-tensor
+            # loop (SmolLM2-135M float32 on 2 cores: 0.05 s against 0.24-0.30 s a step).
+            fused=self.device.type in ("cuda", "cpu"),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_multiplier(step, cfg))
 

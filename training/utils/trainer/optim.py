@@ -83,7 +83,7 @@ def update_may_overflow(weight_max: float, param_groups: list[dict]) -> bool:
 def max_abs(tensors: list[Tensor]) -> Tensor:
     """max |x| over `tensors`, a 0-d float32 tensor with nan read as inf; under FSDP2 over every rank's shards.
 
-    One fused read (the inf norm, which cannot overflow the way the 2-norm's sum of squares can). A nan
+    One read of each tensor (a max, which cannot overflow the way the 2-norm's sum of squares can). A nan
     becomes inf before the max-reduction across ranks, which need not propagate nan; the result is the
     same on every rank.
     """
@@ -92,8 +92,14 @@ def max_abs(tensors: list[Tensor]) -> Tensor:
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     # A rank's shard of a small tensor may be empty, and the inf norm of nothing is undefined.
     local = [t for t in local if t.numel() > 0]
-    value = torch.nn.utils.get_total_norm(local, norm_type=math.inf).float() if local else \
-        torch.zeros((), device=tensors[0].device)
+    if not local:
+        value = torch.zeros((), device=tensors[0].device)
+    elif local[0].device.type == "cpu":
+        # CPU's inf-norm kernel is slow: over SmolLM2-135M's weights it read in 0.19 s against 0.025 s
+        # for aminmax (2 cores), and optim_step reads the weights twice. aminmax propagates nan too.
+        value = torch.stack([torch.stack(torch.aminmax(t)).abs().max().float() for t in local]).max()
+    else:
+        value = torch.nn.utils.get_total_norm(local, norm_type=math.inf).float()
     value = value.masked_fill(value.isnan(), math.inf)
     if isinstance(tensors[0], DTensor):
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=tensors[0].device_mesh.get_group())
