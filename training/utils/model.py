@@ -193,6 +193,14 @@ def _converted_smollm2_dir() -> Path:
     source = f"{gguf} {gguf.stat().st_size}"
     if stamp.is_file() and stamp.read_text() == source:
         return target
+    # Building the plain model initializes weights at random before they are overwritten: without its own
+    # RNG the first run on a machine would sample differently from every later run with the same seed.
+    with torch.random.fork_rng(devices=[]):
+        _convert_smollm2(gguf, target, source)
+    return target
+
+
+def _convert_smollm2(gguf: Path, target: Path, source: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     set_offline()
@@ -217,7 +225,6 @@ def _converted_smollm2_dir() -> Path:
 
         shutil.rmtree(target)
     tmp.rename(target)
-    return target
 
 
 def load_tokenizer(name_or_path):
