@@ -87,6 +87,9 @@ def child(recipe: str, log_path: str, kill_at: str) -> None:
     if point == "optimizer":
         BatchUpdate.finish = after_nth(BatchUpdate.finish, signal.SIGKILL)
     elif point == "sigint":
+        # A process started from a background job inherits SIGINT ignored, and then Python raises no
+        # KeyboardInterrupt: this child plays a foreground run that a user stops with Ctrl-C.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         BatchUpdate.finish = after_nth(BatchUpdate.finish, signal.SIGINT, before=True)
     elif point == "checkpoint":
         checkpoint.dcp.save = after_nth(checkpoint.dcp.save, signal.SIGKILL)
