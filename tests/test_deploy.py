@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import threading
 import time
 from unittest.mock import patch
@@ -35,6 +36,7 @@ from training.utils.deploy.decode import (
     _sample_inverse_cdf,
     _truncation_keep,
     _uniforms,
+    cache_kwarg,
     sample_next,
 )
 from training.utils.deploy.engine import _split_by_length
@@ -1073,3 +1075,19 @@ def test_invalid_request_error_pickles_with_its_param():
 
     error = pickle.loads(pickle.dumps(InvalidRequestError("n must be >= 1", "n")))
     assert (type(error), str(error), error.param) == (InvalidRequestError, "n must be >= 1", "n")
+
+
+def test_the_kv_cache_goes_under_the_keyword_the_models_forward_takes(tiny):
+    class OldForward:  # transformers before the rename
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class NewForward:
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    marker = object()
+    assert cache_kwarg(OldForward(), marker) == {"past_key_values": marker}
+    assert cache_kwarg(NewForward(), marker) == {"cache": marker}
+    model, _ = tiny
+    # The installed transformers' own Llama: whichever name it has, it is a named parameter, not **kwargs.
+    (name,) = cache_kwarg(model, marker)
+    assert name in inspect.signature(type(model).forward).parameters

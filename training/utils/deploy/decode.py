@@ -33,7 +33,6 @@ slot's mask is 0 from column L on, so a step may attend over any number of colum
 
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 from collections.abc import Sequence
@@ -49,15 +48,18 @@ _GROW_COLUMNS = 64
 _generations = itertools.count()
 
 
-@functools.cache
-def _cache_arg_name(model_cls: type) -> str:
-    # transformers renamed `past_key_values` to `cache` (5.2x) and warns on the old name.
-    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
+# Per model class. A plain dict, not functools.cache: the compiled decode step traces this lookup.
+_cache_arg_names: dict[type, str] = {}
 
 
 def cache_kwarg(model, cache: Cache) -> dict:
     """The keyword `model.forward` takes its KV cache under, in this transformers version."""
-    return {_cache_arg_name(type(model)): cache}
+    name = _cache_arg_names.get(type(model))
+    if name is None:
+        # transformers renamed `past_key_values` to `cache` (5.2x) and warns on the old name.
+        params = inspect.signature(type(model).forward).parameters
+        name = _cache_arg_names[type(model)] = "cache" if "cache" in params else "past_key_values"
+    return {name: cache}
 
 
 class SlotLayer(DynamicLayer):
