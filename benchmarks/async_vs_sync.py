@@ -47,11 +47,11 @@ import torch
 import transformers
 
 from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn as make_addition_rollout_fn
+from training.examples.rl.single_turn_token_in.train import read_rows as read_addition_rows
 from training.recipes import async_rl_loop, rl_loop
 from training.utils.config import SamplingConfig, TISConfig, TrainerConfig
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.dataset import read_jsonl
 from training.utils.rl.rollout.types import sample_from_completion
 from training.utils.rl.train_step import train_batch
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
@@ -247,11 +247,10 @@ SHARED_CPU_VARIANTS = {
     "async O=1": (async_rl_loop, dict(max_head_offpolicy_versions=1)),
     "async O=1 tis": (async_rl_loop, dict(max_head_offpolicy_versions=1, tis=TISConfig())),
 }
-ADDITION_ROWS = Path(__file__).resolve().parents[1] / "training/examples/rl/single_turn_token_in/data/train.jsonl"
 
 
 def shared_cpu(args, root: Path) -> None:
-    rows = read_jsonl(ADDITION_ROWS)
+    rows = read_addition_rows("train.jsonl")
     print(f"machine: {torch.get_num_threads()} torch thread(s) per pool, torch {torch.__version__}, "
           f"cuda={torch.cuda.is_available()}")
     print(f"workload: SmolLM2-135M-Instruct, the main job's addition prompts, P=4 G=8, 24 sampled tokens, "
