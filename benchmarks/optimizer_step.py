@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: it must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, _ = load_model_and_tokenizer("smollm2-135m-instruct", dtype=torch.float32, device="cpu")
