@@ -432,7 +432,7 @@ def test_reasoning_the_client_drops_is_restored_by_identity(tiny):
                          {"role": "user", "content": "next"}]
             request = ChatRequest(system=None, messages=messages, tools=[], max_tokens=None, stop=[], stream=False,
                                   model="m")
-            restored = session.restore_recorded(request)
+            restored = session.prompts.restore_recorded(request)
             await client.chat.completions.create(model="m", messages=messages[:2] + messages[3:])
             assert session.kinds == ["new", "append"]
             return request, restored, spy.calls, await shim.finish_session(session.key)

@@ -30,7 +30,7 @@ from shim_support import (
 from training.utils.config import AgentShimConfig
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 from training.utils.rl.agent import AgentShim, TraceIntegrityError
-from training.utils.rl.agent.session import ShimSession
+from training.utils.rl.agent.prompt import SessionPrompts
 from training.utils.rl.rollout.stitching import TurnTree
 
 USER = {"role": "user", "content": "hi"}
@@ -313,7 +313,7 @@ def test_recording_failures(tiny, monkeypatch):
             session = shim.open_session()
             client = openai_client(session)
             with monkeypatch.context() as m:
-                m.setattr(ShimSession, "_snapshot_after", lambda *a: (_ for _ in ()).throw(RuntimeError("disk full")))
+                m.setattr(SessionPrompts, "snapshot_after", lambda *a: (_ for _ in ()).throw(RuntimeError("disk full")))
                 with pytest.raises(openai.InternalServerError, match="trace recording failed") as info:
                     await client.chat.completions.create(**OPENAI_BODY)
                 assert info.value.status_code == 503

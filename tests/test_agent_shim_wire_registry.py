@@ -17,7 +17,7 @@ from aiohttp import web
 
 from shim_support import make_tiny, shim_stack
 from training.utils.rl.agent import ChatRequest, WireError, server
-from training.utils.rl.agent.wire_format import Route, TurnCodec, WireFormat, WireServer
+from training.utils.rl.agent.wire_format import Route, TurnCodec, WireFormat, WireServer, model_call_route
 
 PLAIN_PATH = "/v1/plain/complete"
 
@@ -101,3 +101,10 @@ def test_an_unregistered_wire_format_is_not_served(tiny):
             assert status == 404 and body["error"]["type"] == "not_found_error"  # OpenAI's shape claims "/"
 
     asyncio.run(scenario())
+
+
+def test_a_route_is_either_a_model_call_or_a_handler_of_its_own():
+    assert model_call_route(PLAIN_PATH, PLAIN_TURN) == Route("POST", PLAIN_PATH, codec=PLAIN_TURN)
+    for ambiguous in ({}, {"handler": complete, "codec": PLAIN_TURN}):
+        with pytest.raises(ValueError, match="give it a handler or a codec"):
+            Route("POST", PLAIN_PATH, **ambiguous)

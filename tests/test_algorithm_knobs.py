@@ -15,16 +15,17 @@ from training.recipes import async_rl_loop, rl_loop
 from training.utils.config import OverlongConfig, SamplingConfig, TrainerConfig
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.groups import (
-    RunDatum,
-    SettledRow,
-    build_groups,
-    count_runs,
+from training.utils.rl.rollout.types import RolloutRun, make_prompt_group, sample_from_completion
+from training.utils.rl.train_step import (
+    BatchUpdate,
+    KLCoefficient,
+    adapt_kl_beta,
+    chunk_advantages,
+    kl_sums,
     overlong_penalty,
-    reshape_advantages,
+    pack_groups,
+    train_batch,
 )
-from training.utils.rl.rollout.types import RolloutRun, sample_from_completion
-from training.utils.rl.train_step import BatchUpdate, adapt_kl_beta, kl_sums, train_batch
 from training.utils.tiny_model import tiny_config
 from training.utils.trainer import Datum, MicroBatch, Trainer
 
@@ -63,49 +64,55 @@ def test_kl_sums_over_trained_tokens_by_estimator():
 def groups_of_two():
     """Group a: run 0 has two segments (2 and 1 trained tokens, reward 1), run 1 one (1 token, reward 0).
     Group b: two one-segment runs of 1 token, reward 2 each."""
-    a = SettledRow("a", {}, [RolloutRun([segment(2, 1.0), segment(1, 1.0)]), RolloutRun([segment(1, 0.0)])])
-    b = SettledRow("b", {}, [RolloutRun([segment(1, 2.0)]), RolloutRun([segment(1, 2.0)])])
-    groups, counts = build_groups([a, b], "dr_grpo", None)
-    assert counts["accepted"] == 2
-    return groups
+    a = make_prompt_group("a", [RolloutRun([segment(2, 1.0), segment(1, 1.0)]), RolloutRun([segment(1, 0.0)])])
+    b = make_prompt_group("b", [RolloutRun([segment(1, 2.0)]), RolloutRun([segment(1, 2.0)])])
+    return a, b
 
 
-def test_build_groups_links_each_datum_to_its_run():
+def test_pack_groups_tags_each_datum_with_its_group_and_run():
     a, b = groups_of_two()
-    assert all(isinstance(d, RunDatum) for d in a.datums + b.datums)
-    assert [d.run_index for d in a.datums] == [0, 0, 1] and a.datums[0].group is a.datums[2].group
-    assert a.datums[0].group.rewards_G == [1.0, 0.0] and a.datums[0].group is not b.datums[0].group
-    assert [d.advantage for d in a.datums] == [0.5, 0.5, -0.5]  # dr_grpo on the raw rewards
-    assert count_runs(a.datums + b.datums) == 4
+    datums, run_of_D = pack_groups([a, b])
+    assert run_of_D == [(0, 0), (0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [sum(d.weights) for d in datums] == [2.0, 1.0, 1.0, 1.0, 1.0]
 
 
-def test_reshape_advantages_by_hand():
+def test_chunk_advantages_by_hand():
     a, b = groups_of_two()
-    datums = a.datums + b.datums
+    cfg = rl_loop.Config(model="tiny-random", advantage_estimator="dr_grpo", completions_per_prompt=2)
+    datums, run_of_D = pack_groups([a, b])
+    plain = chunk_advantages([a, b], datums, run_of_D, cfg, 0.0, None)
+    assert [d.advantage for d in datums] == [0.5, 0.5, -0.5, 0.0, 0.0]  # dr_grpo on the raw rewards
+    assert plain.kl_penalty_R == [] and plain.overlong_R == []
     # Per-datum KL sums, β = 0.1: group a run 0: 0.1·(0.5 + 1.0) = 0.15, run 1: 0.1·0.2 = 0.02;
     # group b: 0 and 0.1·1.0 = 0.1. Overlong L_max = 3, L_cache = 2: run a0 (3 tokens) (1 − 3)/2 = −1, others 0.
-    out = reshape_advantages(datums, "dr_grpo", kl_D=[0.5, 1.0, 0.2, 0.0, 1.0], kl_beta=0.1, overlong=(3, 2))
+    shaped_cfg = cfg.model_copy(update={"overlong_penalty": OverlongConfig(buffer=2, max_length=3)})
+    shaping = chunk_advantages([a, b], datums, run_of_D, shaped_cfg, 0.1, [0.5, 1.0, 0.2, 0.0, 1.0])
     # Shaped rewards: a = (1 − 0.15 − 1, 0 − 0.02) = (−0.15, −0.02), mean −0.085 -> A = (−0.065, 0.065);
     #                 b = (2, 2 − 0.1) = (2, 1.9), mean 1.95 -> A = (0.05, −0.05).
-    assert [d.advantage for d in out.datums_D] == pytest.approx([-0.065, -0.065, 0.065, 0.05, -0.05])
-    assert out.kl_penalty_R == pytest.approx([0.15, 0.02, 0.0, 0.1])
-    assert out.overlong_R == [-1.0, 0.0, 0.0, 0.0]
-    # Copies: the groups keep their raw-reward advantages.
-    assert [d.advantage for d in a.datums] == [0.5, 0.5, -0.5] and a.rewards_G == [1.0, 0.0]
-    # Only the KL: a = (1 − 0.15, −0.02), mean 0.415 -> ±0.435.
-    only_kl = reshape_advantages(a.datums, "dr_grpo", kl_D=[0.5, 1.0, 0.2], kl_beta=0.1)
-    assert [d.advantage for d in only_kl.datums_D] == pytest.approx([0.435, 0.435, -0.435])
+    assert [d.advantage for d in datums] == pytest.approx([-0.065, -0.065, 0.065, 0.05, -0.05])
+    assert shaping.kl_penalty_R == pytest.approx([0.15, 0.02, 0.0, 0.1])
+    assert shaping.overlong_R == [-1.0, 0.0, 0.0, 0.0]
+    assert a.rewards_G == [1.0, 0.0]  # the groups keep their raw rewards
+    # Only the KL, group a alone: a = (1 − 0.15, −0.02), mean 0.415 -> ±0.435.
+    datums_a, run_of_a = pack_groups([a])
+    only_kl = chunk_advantages([a], datums_a, run_of_a, cfg, 0.1, [0.5, 1.0, 0.2])
+    assert [d.advantage for d in datums_a] == pytest.approx([0.435, 0.435, -0.435])
     assert only_kl.overlong_R == []
 
 
-def test_reshape_needs_whole_groups_from_build_groups():
-    a, _ = groups_of_two()
-    with pytest.raises(ValueError, match="run 1 of a group of 2 is not among the datums"):
-        reshape_advantages(a.datums[:2], "dr_grpo", overlong=(3, 2))
-    plain = Datum(input_ids=[1], target_ids=[2], weights=[1.0], behaviour_logprobs=[-1.0], advantage=0.0,
-                  prompt_len=1)
-    with pytest.raises(ValueError, match="does not say its group and run"):
-        reshape_advantages([plain], "dr_grpo", overlong=(3, 2))
+def test_kl_coefficient_adapts_only_toward_a_target_and_checkpoints_only_then():
+    fixed = KLCoefficient(0.1)
+    fixed.update(0.3, 64)
+    assert fixed.beta == 0.1 and fixed.state_dict() == {}
+    adaptive = KLCoefficient(0.1, target=0.1, horizon=1000)
+    adaptive.update(float("nan"), 64)
+    assert adaptive.beta == 0.1
+    adaptive.update(0.3, 64)
+    assert adaptive.beta == pytest.approx(0.1 * (1 + 0.2 * 64 / 1000))
+    assert adaptive.state_dict() == {"kl_beta": adaptive.beta}
+    cfg = rl_loop.Config(model="tiny-random", kl_beta=0.1, kl_target=0.1, completions_per_prompt=2)
+    assert KLCoefficient.for_run(cfg, {"kl_beta": 0.3}).beta == 0.3 and KLCoefficient.for_run(cfg, {}).beta == 0.1
+    assert KLCoefficient.for_run(cfg.model_copy(update={"kl_target": None}), {"kl_beta": 0.3}).beta == 0.1
 
 
 def test_config_checks_of_the_knobs():
@@ -209,8 +216,9 @@ def test_kl_in_the_reward_end_to_end_and_chunked_like_one_batch(tmp_path):
 def test_adaptive_kl_beta_follows_the_rule_and_resumes(tmp_path):
     knobs = dict(kl_beta=0.1, kl_placement="reward", kl_target=0.001, kl_horizon=100, dcp_save_interval=1)
     cfg = rl_loop.Config(**(COMMON | knobs | dict(max_steps=2)), log_path=str(tmp_path / "run"))
+    as_written = cfg.model_dump()
     rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
-    assert cfg.kl_beta == 0.1, "the caller's config is not the run's"
+    assert cfg.model_dump() == as_written, "β is run state: the config stays what the user wrote"
     resumed = cfg.model_copy(update=dict(max_steps=3))
     rl_loop.main(resumed, rollout_fn_factory=factory, rows=ROWS)
     steps = [r for r in read_ledger(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
@@ -264,20 +272,21 @@ def test_phase_timers_measure_each_trainer_phase(monkeypatch):
     slowed(policy, "logprobs", delays["old_policy_forward"])
     slowed(policy, "forward_backward", delays["fwd_bwd"])
     slowed(policy, "optim_step", delays["optim_step"])
-    datums = [Datum(input_ids=[1, 40 + i, 50, 60 + i], target_ids=[40 + i, 50, 60 + i, 70], weights=[0, 0, 1, 1],
-                    behaviour_logprobs=[-1.0] * 4, advantage=1.0 - i, prompt_len=3) for i in range(2)]
+    groups = [make_prompt_group(f"g{i}", [RolloutRun([sample_from_completion([1, 40 + i, 50], [60 + i, 70], [-1.0] * 2,
+                                                                              reward=float(r))]) for r in (0, 1)])
+              for i in range(2)]
     # Two chunks, 2 PPO epochs: each chunk pays a reference and an anchor pass, the inner loop 2 passes and 2 steps.
     cfg = rl_loop.Config(model="tiny-random", kl_beta=0.1, ppo_epochs=2, completions_per_prompt=2)
-    update = BatchUpdate(policy, reference, cfg, np.random.default_rng(0), planned_chunks=2)
-    update.add(datums[:1])
-    update.add(datums[1:])
+    update = BatchUpdate(policy, reference, cfg, np.random.default_rng(0), KLCoefficient(cfg.kl_beta), planned_chunks=2)
+    update.add(groups[:1])
+    update.add(groups[1:])
     metrics = update.finish()
     calls = {"ref_forward": 2, "old_policy_forward": 2, "fwd_bwd": 2, "optim_step": 2}
     for phase, delay in delays.items():
         spent = metrics[f"perf/{phase}_time"]
         assert calls[phase] * delay <= spent < calls[phase] * delay + 1.0, (phase, spent)
     # One PPO epoch of one minibatch: π_old comes from the training pass, so no anchor pass runs.
-    single = train_batch(policy, None, datums, rl_loop.Config(model="tiny-random", completions_per_prompt=2),
-                         np.random.default_rng(0))
+    single = train_batch(policy, None, groups, rl_loop.Config(model="tiny-random", completions_per_prompt=2),
+                         np.random.default_rng(0), KLCoefficient(0.0))
     assert single["perf/old_policy_forward_time"] == 0.0 and single["perf/ref_forward_time"] == 0.0
     assert single["perf/fwd_bwd_time"] >= delays["fwd_bwd"]

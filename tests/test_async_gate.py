@@ -20,7 +20,7 @@ from training.utils.rl.async_rl import (
     balanced_chunk_targets,
 )
 from training.utils.rl.dataset import DurableRowSource
-from training.utils.rl.groups import build_groups
+from training.utils.rl.groups import group_of
 from training.utils.rl.rollout.invoke import DrawResult
 from training.utils.rl.rollout.types import RolloutRun, sample_from_completion
 from training.utils.rl.telemetry import version_offset_metrics
@@ -62,8 +62,7 @@ class ScriptedDraws:
 
 
 def build(settled):
-    groups, counts = build_groups([settled], "grpo", None)
-    return (groups[0], "accepted") if groups else (None, "dropped")
+    return group_of(settled, "grpo", None)
 
 
 # G, P, O, C, K are the symbols of skills/dev/references/rl/async-rl.md §3, hence the single-letter names.
@@ -89,13 +88,13 @@ async def settle():
         await asyncio.sleep(0)
 
 
-async def train_and_publish(coordinator, expect_rows=None):
-    batch = await asyncio.wait_for(coordinator.next_batch(), 5)
-    while await asyncio.wait_for(coordinator.next_chunk(batch), 5) is not None:
+async def train_and_publish(producer, expect_rows=None):
+    batch = await asyncio.wait_for(producer.next_batch(), 5)
+    while await asyncio.wait_for(producer.next_chunk(batch), 5) is not None:
         pass
     if expect_rows is not None:
         assert sorted(r.item.row_id for r in batch.rows) == sorted(expect_rows)
-    coordinator.publish(batch, batch.id)
+    producer.publish(batch, batch.id)
     await settle()
     return batch
 
@@ -116,7 +115,7 @@ def test_o0_submits_next_batch_only_after_publication():
         await settle()
         # Batch 1 is full but unpublished: nothing of batch 2 may start.
         assert len(script.rows_started()) == 2
-        await train_and_publish(coordinator, expect_rows=order)
+        await train_and_publish(producer, expect_rows=order)
         new_rows = script.rows_started()[2:]
         assert len(new_rows) == 2
         assert {v for r, _, v in script.started if r in new_rows} == {1}
@@ -136,7 +135,7 @@ def test_o1_keeps_at_most_two_batches_outstanding():
             script.finish(row_id)
         await settle()
         assert len(script.rows_started()) == 4 and gate.staleness_capacity == 0
-        await train_and_publish(coordinator)
+        await train_and_publish(producer)
         assert len(script.rows_started()) == 6  # publishing batch 1 frees one batch of slots
         assert gate.accepted_samples + gate.reserved_samples == 2 * gate.B + gate.B
         task.cancel()
@@ -195,7 +194,7 @@ def test_retry_reruns_all_g_draws():
         assert draws == [(row, 0), (row, 1), (row, 2)] * 2, "the retry re-runs all G draws"
         assert gate.reserved_samples == 3 and gate.in_flight_calls == 3
         script.finish(row, rewards=(1.0, 0.0, 1.0))
-        batch = await train_and_publish(coordinator)
+        batch = await train_and_publish(producer)
         (accepted,) = batch.rows
         assert accepted.settled.attempts == 2 and len(accepted.group.runs_G) == 3
         assert accepted.settled.drop_reasons == Counter(returned_none=2)
@@ -212,15 +211,15 @@ def test_slow_row_realized_offset_is_reported_and_can_be_capped():
         await settle()
         slow, fast = script.rows_started()  # both submitted at version 0
         script.finish(fast)
-        await train_and_publish(coordinator, expect_rows=[fast])  # batch 1
+        await train_and_publish(producer, expect_rows=[fast])  # batch 1
         (third,) = [r for r in script.in_flight_rows() if r != slow]
         script.finish(third)
-        await train_and_publish(coordinator, expect_rows=[third])  # batch 2, offset 0
+        await train_and_publish(producer, expect_rows=[third])  # batch 2, offset 0
         script.finish(slow)  # lands in batch 3, trained on version 2
         await settle()
         result = None
         if staleness is None:
-            batch = await train_and_publish(coordinator, expect_rows=[slow])
+            batch = await train_and_publish(producer, expect_rows=[slow])
             result = version_offset_metrics([r.group for r in batch.rows], trained_against_version=batch.id - 1)
         else:
             assert coordinator.rejections_since_last_step == Counter(stale=1)
@@ -243,14 +242,14 @@ def test_chunks_are_handed_out_while_the_batch_fills():
         script.finish(rows[0])
         script.finish(rows[1])
         await settle()
-        batch = await asyncio.wait_for(coordinator.next_batch(), 5)
-        first = await asyncio.wait_for(coordinator.next_chunk(batch), 5)
+        batch = await asyncio.wait_for(producer.next_batch(), 5)
+        first = await asyncio.wait_for(producer.next_chunk(batch), 5)
         assert [r.item.row_id for r in first.rows] == rows[:2]  # cursor order
         assert not batch.sealed and len(script.in_flight_rows()) == 2
         script.finish(rows[2])
         script.finish(rows[3])
-        second = await asyncio.wait_for(coordinator.next_chunk(batch), 5)
-        assert second.index == 1 and await coordinator.next_chunk(batch) is None
+        second = await asyncio.wait_for(producer.next_chunk(batch), 5)
+        assert second.index == 1 and await producer.next_chunk(batch) is None
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
@@ -270,7 +269,7 @@ def test_synchronous_mode_pauses_admission_and_drains_before_training():
         for row_id in rows[:2]:
             script.finish(row_id)
         await settle()
-        next_batch = asyncio.create_task(coordinator.next_batch())
+        next_batch = asyncio.create_task(producer.next_batch())
         await settle()
         assert not next_batch.done(), "batch 1 is full but rows are still in flight"
         script.finish(rows[2], rewards=(None, None))  # rejected: must not admit a replacement now
@@ -279,9 +278,9 @@ def test_synchronous_mode_pauses_admission_and_drains_before_training():
         script.finish(rows[3])
         batch = await asyncio.wait_for(next_batch, 5)
         assert gate.in_flight_calls == 0 and batch.id == 1
-        while await coordinator.next_chunk(batch) is not None:
+        while await producer.next_chunk(batch) is not None:
             pass
-        coordinator.publish(batch, 1)
+        producer.publish(batch, 1)
         await settle()
         assert len(script.rows_started()) > 4 and coordinator.admission_open
         task.cancel()
@@ -296,7 +295,7 @@ def test_stall_error_names_what_the_trainer_waited_on():
         task = asyncio.create_task(producer.run())
         await settle()
         with pytest.raises(RolloutStallError) as info:
-            await coordinator.next_batch()
+            await producer.next_batch()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return str(info.value)
@@ -311,7 +310,7 @@ def test_producer_reports_a_call_that_never_returns():
         script, gate, coordinator, producer = make(O=0, max_call_wait_s=0.3)
         task = asyncio.create_task(producer.run())
         with pytest.raises(RolloutStallError, match=r"no rollout call finished for 0.3s.*2 rows pending"):
-            await asyncio.wait_for(coordinator.next_batch(), 5)
+            await asyncio.wait_for(producer.next_batch(), 5)
         await asyncio.gather(task, return_exceptions=True)
         assert task.done() and all(f.cancelled() for f in script.waiting.values())
 
@@ -326,7 +325,7 @@ def test_fatal_draw_error_reaches_the_trainer_and_cancels_the_rest():
         first, second = script.rows_started()
         script.finish(first, rewards=(KeyError("no_such_key"), 1.0))
         with pytest.raises(KeyError, match="no_such_key"):
-            await asyncio.wait_for(coordinator.next_batch(), 5)
+            await asyncio.wait_for(producer.next_batch(), 5)
         await asyncio.gather(task, return_exceptions=True)
         assert all(f.cancelled() for f in script.waiting.values())
 
@@ -340,10 +339,10 @@ def test_source_exhaustion_trains_a_partial_last_batch():
         await settle()
         for row_id in script.rows_started():
             script.finish(row_id)
-        await train_and_publish(coordinator)
-        last = await train_and_publish(coordinator)
+        await train_and_publish(producer)
+        last = await train_and_publish(producer)
         assert last.partial and len(last.rows) == 1
-        assert await asyncio.wait_for(coordinator.next_batch(), 5) is None
+        assert await asyncio.wait_for(producer.next_batch(), 5) is None
         await task
         assert producer.source.state_dict() == {"cursor_index": 3, "done": [], "seed": 0}
 
@@ -462,7 +461,7 @@ def test_the_trainers_chunk_wait_never_loses_a_cancel():
             ready.append(True)
             coordinator.notify()
 
-        return lambda: coordinator._wait(lambda: bool(ready), lambda: "a chunk"), deliver
+        return lambda: coordinator._wait(lambda: bool(ready), lambda: "a chunk", lambda: "no producer"), deliver
 
     assert all(cancel_as_event_arrives(chunk_wait) for _ in range(20))
 
@@ -487,7 +486,7 @@ def test_gauge_means_are_time_weighted_over_the_gate_snapshots():
         await task
         now[0] = 6.0
         means = producer.take_gauge_means(0.0)
-        await train_and_publish(coordinator, expect_rows=[first])
+        await train_and_publish(producer, expect_rows=[first])
         now[0] = 8.0
         return means, producer.take_gauge_means(6.0)
 

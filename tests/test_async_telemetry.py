@@ -13,7 +13,7 @@ from training.utils.rl.telemetry import perf_metrics, version_offset_metrics
 
 def group(submit_version, token_versions=None):
     sample = sample_from_completion([1, 2], [3, 4], [-0.1, -0.2], reward=1.0, output_versions=token_versions)
-    return make_prompt_group("r", [RolloutRun([sample])], [0.0], submit_version=submit_version)
+    return make_prompt_group("r", [RolloutRun([sample])], submit_version=submit_version)
 
 
 def test_version_offsets_per_group_and_per_token():

@@ -15,7 +15,7 @@ from training.utils.checkpoint import MANIFEST_FILE, latest_checkpoint, load_che
 from training.utils.config import RLConfig, TrainerConfig
 from training.utils.errors import CheckpointError
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.wiring import restore
+from training.utils.rl.startup import restore
 from training.utils.trainer import Trainer
 
 CHECKPOINT_LOG = "training.utils.checkpoint"
@@ -42,7 +42,7 @@ def same_weights(policy: Trainer, expected: dict[str, torch.Tensor]) -> bool:
 
 
 def resume(log_path: Path, init_from_checkpoint: Path | None = None) -> tuple[dict, Trainer]:
-    """What both recipes do at start-up, into a fresh trainer: `wiring.restore`."""
+    """What both recipes do at start-up, into a fresh trainer: `startup.restore`."""
     cfg = RLConfig(model="tiny-random", log_path=str(log_path),
                    init_from_checkpoint=str(init_from_checkpoint) if init_from_checkpoint else None)
     policy = fresh_trainer()

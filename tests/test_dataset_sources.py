@@ -11,7 +11,7 @@ from training.utils.config import SamplingConfig
 from training.utils.errors import ConfigError
 from training.utils.logging import read_ledger
 from training.utils.rl.dataset import write_jsonl
-from training.utils.rl.wiring import read_rows
+from training.utils.rl.startup import read_rows
 
 # Nested values and non-ASCII text, which every format must give back as they were.
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60], "answer": {"text": f"é{i}", "value": i}}
@@ -62,8 +62,7 @@ def test_an_unknown_extension_names_the_path_and_the_accepted_ones(tmp_path):
 def test_a_json_file_that_is_neither_an_array_nor_lines_is_named(tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps({"rows": ROWS}, indent=2))
-    with pytest.raises(ConfigError, match=rf"dataset file {path} does not hold a JSON array of objects, or one per "
-                                          r"line: Expecting property name"):
+    with pytest.raises(ConfigError, match=rf"{path} line 1 is not one JSON value: Expecting property name"):
         rows_of(path)
 
 

@@ -29,18 +29,17 @@ from training.utils.deploy import (
     start_deployment,
     start_embedded_deployment,
 )
+from training.utils.deploy.admission import split_by_length
 from training.utils.deploy.completion import InvalidRequestError
-from training.utils.deploy.decode import (
-    KVBatch,
+from training.utils.deploy.decode import KVBatch, cache_kwarg
+from training.utils.deploy.graphs import DecodeSteps
+from training.utils.deploy.next_token import (
     SamplingParams_B,
     _sample_inverse_cdf,
     _truncation_keep,
     _uniforms,
-    cache_kwarg,
     sample_next,
 )
-from training.utils.deploy.engine import _split_by_length
-from training.utils.deploy.graphs import DecodeSteps
 from training.utils.errors import ConfigError, DeploymentError, RecoverableDeploymentError
 from training.utils.model import load_model_and_tokenizer
 from training.utils.tiny_model import tiny_config
@@ -183,9 +182,9 @@ def test_seeded_rows_draw_the_same_tokens_again():
 def test_split_by_length_pays_an_extra_forward_only_when_padding_costs_more():
     lengths = [5, 30, 3, 29, 4, 28]
     # One forward: 6 x 30 + 10 = 190 tokens; two: 3 x 30 + 10 + 3 x 5 + 10 = 125.
-    assert _split_by_length(lengths, forward_cost=10) == [[1, 3, 5], [0, 4, 2]]
-    assert _split_by_length(lengths, forward_cost=200) == [[1, 3, 5, 0, 4, 2]]
-    assert _split_by_length(lengths, forward_cost=None) == [[0, 1, 2, 3, 4, 5]]  # off the CPU: one forward
+    assert split_by_length(lengths, forward_cost=10) == [[1, 3, 5], [0, 4, 2]]
+    assert split_by_length(lengths, forward_cost=200) == [[1, 3, 5, 0, 4, 2]]
+    assert split_by_length(lengths, forward_cost=None) == [[0, 1, 2, 3, 4, 5]]  # off the CPU: one forward
 
 
 def test_kv_batch_split_prefill_matches_generate(tiny):
@@ -575,6 +574,27 @@ def test_disk_sync_round_trip(tiny, tiny_other):
     assert written and pruned and sync_version == 3 and version == 3
     assert metrics["weight_sync_time"] > 0
     assert bad[0] == 400 and bad[1]["success"] is False and "/nonexistent" in bad[1]["message"]
+
+
+def test_the_handle_reports_the_engine_context_and_its_cumulative_counters(tiny):
+    """`context_tokens` is the engine's `max_context_tokens`; `engine_stats()` a float snapshot of its counters."""
+    model, tok = tiny
+    prompt = tok.encode("Once upon a time")
+
+    async def main():
+        async with deployed(model, tok, max_context_tokens=64) as dep:
+            before = dep.engine_stats()
+            await dep.sampler.sample(prompt, n=2, max_tokens=5, temperature=0)
+            return dep.context_tokens, dep.engine.max_context_tokens, before, dep.engine_stats()
+
+    context, engine_context, before, after = asyncio.run(main())
+    assert context == engine_context == 64
+    counters = {"prompt_tokens", "prefill_tokens", "prefix_cache_hit_tokens", "prefill_time_s", "decode_time_s"}
+    assert counters <= before.keys() and all(type(v) is float for v in after.values())
+    assert all(before[key] == 0.0 for key in counters)
+    assert after["prompt_tokens"] == len(prompt)  # n=2 draws of one request: its prompt counts once
+    assert after["prompt_tokens"] == after["prefill_tokens"] + after["prefix_cache_hit_tokens"]
+    assert after["prefill_time_s"] > 0 and after["decode_time_s"] > 0
 
 
 def test_a_bfloat16_engine_copy_takes_float32_weights_on_sync(tiny, tiny_other):

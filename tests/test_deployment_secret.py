@@ -19,7 +19,7 @@ from training.utils.config import RLConfig
 from training.utils.deploy.weight_sync import write_weight_dir
 from training.utils.errors import DeploymentError
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.wiring import make_rollout_setup
+from training.utils.rl.startup import make_rollout_setup
 from training.utils.tiny_model import tiny_config
 
 openai = pytest.importorskip("openai")

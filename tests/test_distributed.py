@@ -79,20 +79,20 @@ def make_datums(seed: int = 1):
 
 def train_step(policy, datums, rng):
     """One PPO batch of the recipes: anchor logprobs, then 2 minibatches (rng-shuffled), 2 optimizer steps."""
-    from training.utils.rl.train_step import anchor_and_reference, ppo_update
+    from training.utils.rl.train_step import ppo_update, pre_update_logprobs
 
     cfg = rl_cfg()
-    extras, gap = anchor_and_reference(policy, None, datums, cfg)
-    return gap | ppo_update(policy, datums, extras, cfg, rng)
+    extras, gap, _ = pre_update_logprobs(policy, None, datums, cfg, cfg.kl_beta)
+    return gap | ppo_update(policy, datums, extras, cfg, rng, cfg.kl_beta)
 
 
 def first_gradient(policy, datums):
     """`forward_backward` of the GRPO loss with an anchor pass; the full gradient and the metrics."""
-    from training.utils.rl.train_step import anchor_and_reference, make_loss_fn
+    from training.utils.rl.train_step import make_loss_fn, pre_update_logprobs
 
     cfg = rl_cfg()
-    extras, _ = anchor_and_reference(policy, None, datums, cfg)
-    metrics = policy.forward_backward(datums, make_loss_fn(cfg), extras=extras)
+    extras, _, _ = pre_update_logprobs(policy, None, datums, cfg, cfg.kl_beta)
+    metrics = policy.forward_backward(datums, make_loss_fn(cfg, cfg.kl_beta), extras=extras)
     grads = {name: _full(p.grad) for name, p in policy.model.named_parameters()}
     return grads, metrics
 

@@ -27,7 +27,7 @@ from training.utils.deploy.nccl import NCCLBroadcaster
 from training.utils.deploy.sglang import WEIGHT_SYNC_GROUP_NAME, SGLangWeightSync
 from training.utils.deploy.vllm import VLLMWeightSync
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
-from training.utils.rl.wiring import make_rollout_setup
+from training.utils.rl.startup import make_rollout_setup
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
 
 PROMPT = [1, 2, 3]
@@ -550,6 +550,31 @@ def test_connect_waits_for_a_loading_server_and_resolves_the_served_model_name()
     assert (dep.model_name, dep.base_url, dep.version) == ("Qwen/Qwen2.5-0.5B", server.url, 0)
     assert c.output_ids == [40, 41]
     assert server.paths()[:5] == ["GET /health"] * 3 + ["GET /v1/models", "GET /get_model_info"]
+
+
+def test_an_external_deployment_reports_the_served_context_and_no_engine_counters():
+    """`context_tokens` is the `max_model_len` the server lists for the model it serves (vLLM's and SGLang's
+    `/v1/models` field), None when it lists none; an external server reports no engine counters."""
+
+    async def connect(server, requested):
+        dep = await connect_external_deployment(external_cfg("sglang", server.url), None, requested)
+        await dep.close()
+        return dep
+
+    async def main():
+        async with fake_server(served=("other", "served-model")) as server:
+            server.routes[("GET", "/v1/models")] = lambda b, q: (200, {"object": "list", "data": [
+                {"id": "other", "object": "model", "max_model_len": 128},
+                {"id": "served-model", "object": "model", "max_model_len": 4096}]})
+            listed = await connect(server, "served-model")
+            server.routes[("GET", "/v1/models")] = lambda b, q: (200, {"object": "list", "data": [
+                {"id": "served-model", "object": "model", "max_model_len": None}]})
+            unlisted = await connect(server, "policy")
+            return listed, unlisted
+
+    listed, unlisted = asyncio.run(main())
+    assert (listed.model_name, listed.context_tokens, listed.engine_stats()) == ("served-model", 4096, {})
+    assert (unlisted.model_name, unlisted.context_tokens, unlisted.engine_stats()) == ("served-model", None, {})
 
 
 def test_vllm_without_dev_mode_fails_at_start_up_with_the_launch_fix():

@@ -17,7 +17,7 @@ from training.utils.config import SamplingConfig, TrainerConfig
 from training.utils.errors import ConfigError
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl import training_run, wiring
+from training.utils.rl import startup, training_run
 from training.utils.rl.rollout.types import sample_from_completion
 from training.utils.trainer import AdapterDisabledReference, Datum, Trainer
 
@@ -133,10 +133,10 @@ def test_merged_export_matches_the_adapter_forward(trained, tmp_path):
 
 def test_setup_trainers_shares_one_model_between_policy_and_reference():
     cfg = rl_loop.Config(model="tiny-random", kl_beta=0.1, trainer=TrainerConfig(**LORA), progress=False)
-    policy, reference, _ = wiring.setup_trainers(cfg, total_steps=2)
+    policy, reference, _ = startup.setup_trainers(cfg, total_steps=2)
     assert policy.lora and isinstance(reference, AdapterDisabledReference) and reference.policy is policy
     no_kl = rl_loop.Config(model="tiny-random", trainer=TrainerConfig(**LORA), progress=False)
-    assert wiring.setup_trainers(no_kl, total_steps=2)[1] is None
+    assert startup.setup_trainers(no_kl, total_steps=2)[1] is None
 
 
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(4)]
@@ -154,7 +154,7 @@ def test_rl_loop_with_lora_and_kl_serves_the_merged_policy(tmp_path, monkeypatch
     built = {}
 
     def capture(*args, **kwargs):
-        built["policy"], built["reference"], tokenizer = wiring.setup_trainers(*args, **kwargs)
+        built["policy"], built["reference"], tokenizer = startup.setup_trainers(*args, **kwargs)
         return built["policy"], built["reference"], tokenizer
 
     monkeypatch.setattr(training_run, "setup_trainers", capture)

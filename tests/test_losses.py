@@ -1,6 +1,7 @@
 """Policy losses against formulas written out in each test (values and autograd gradients)."""
 
 import math
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,9 @@ from training.utils.errors import ConfigError
 from training.utils.rl.losses import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    LossBatch,
     LossInputs,
+    LossSpec,
     TokenLoss,
     compute_policy_loss,
     register_policy_loss,
@@ -38,6 +41,18 @@ def one_row_with_ratios(ratios, old=-1.0):
     return pi, old_lp, torch.ones(1, len(ratios), dtype=torch.bool)
 
 
+SPEC_KNOBS = {f.name for f in fields(LossSpec) if f.init} - {"name", "settings"}
+BATCH_TENSORS = {f.name for f in fields(LossBatch)}
+
+
+def policy_loss(name, **inputs):
+    """`compute_policy_loss` with every input as a keyword, as the tests write them: the micro-batch's tensors
+    and normalisers go to the LossBatch, the spec's knobs to the LossSpec, the rest are the loss's own settings."""
+    batch = LossBatch(**{k: inputs.pop(k) for k in BATCH_TENSORS & inputs.keys()})
+    settings = {k: inputs.pop(k) for k in inputs.keys() - SPEC_KNOBS}
+    return compute_policy_loss(LossSpec(name, settings, **inputs), batch)
+
+
 def approx(x, rel=1e-5, abs=1e-6):
     return pytest.approx(x, rel=rel, abs=abs)
 
@@ -49,7 +64,7 @@ def test_grpo_clip_boundaries_value_and_gradient():
     # ε = 0.2. Ratios just inside/outside 1+ε with A=+1, just inside/outside 1−ε with A=−1.
     pi, old, mask = one_row_with_ratios([1.19, 1.21, 0.81, 0.79])
     adv = t([[1.0, 1.0, -1.0, -1.0]])
-    loss, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    loss, m = policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
     # per token max(−r·A, −clip(r, 0.8, 1.2)·A): −1.19, −1.2 (clipped), 0.81, 0.8 (clipped)
     assert loss.item() == approx((-1.19 - 1.2 + 0.81 + 0.8) / 4)
     assert m["pg_clipfrac"].item() == approx(0.5)
@@ -62,7 +77,7 @@ def test_grpo_clip_only_binds_on_the_side_that_helps():
     # A>0 with r<1−ε and A<0 with r>1+ε keep the unclipped term and its gradient.
     pi, old, mask = one_row_with_ratios([0.5, 1.5])
     adv = t([[1.0, -1.0]])
-    loss, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    loss, m = policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
     assert loss.item() == approx((-0.5 + 1.5) / 2)
     assert m["pg_clipfrac"].item() == 0.0
     loss.backward()
@@ -71,8 +86,8 @@ def test_grpo_clip_only_binds_on_the_side_that_helps():
 
 def test_grpo_asymmetric_eps_clip_high():
     pi, old, mask = one_row_with_ratios([1.25, 1.35])
-    loss, _ = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
-                                  eps_clip=0.2, eps_clip_high=0.3)
+    loss, _ = policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
+                          eps_clip=0.2, eps_clip_high=0.3)
     assert loss.item() == approx((-1.25 - 1.3) / 2)
 
 
@@ -81,7 +96,7 @@ def test_grpo_dual_clip_caps_negative_advantage():
     # A=−1, r=2: max(2, 1.2) = 2 < 3 (unclipped).  A=+1, r=4: max(−4, −1.2) = −1.2 (ordinary clip).
     pi, old, mask = one_row_with_ratios([4.0, 2.0, 4.0])
     adv = t([[-1.0, -1.0, 1.0]])
-    loss, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, dual_clip_c=3.0)
+    loss, m = policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, dual_clip_c=3.0)
     assert loss.item() == approx((3.0 + 2.0 - 1.2) / 3)
     assert m["dual_clipfrac"].item() == approx(1 / 3)
     assert m["pg_clipfrac"].item() == approx(1 / 3)
@@ -92,7 +107,7 @@ def test_grpo_dual_clip_caps_negative_advantage():
 def test_dual_clip_must_exceed_one():
     pi, old, mask = one_row_with_ratios([1.0])
     with pytest.raises(ConfigError, match="dual_clip_c"):
-        compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask, dual_clip_c=0.9)
+        policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask, dual_clip_c=0.9)
 
 
 def test_dapo_defaults_to_clip_higher():
@@ -100,17 +115,17 @@ def test_dapo_defaults_to_clip_higher():
     # r=0.75 with A<0 clips at 0.8.
     pi, old, mask = one_row_with_ratios([1.25, 1.3, 0.75])
     adv = t([[1.0, 1.0, -1.0]])
-    loss, m = compute_policy_loss("dapo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    loss, m = policy_loss("dapo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
     assert loss.item() == approx((-1.25 - 1.28 + 0.8) / 3)
     assert m["pg_clipfrac"].item() == approx(2 / 3)
-    grpo, _ = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    grpo, _ = policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
     assert grpo.item() == approx((-1.2 - 1.2 + 0.8) / 3)
 
 
 def test_sequence_and_token_advantages_agree():
     pi, old, mask = one_row_with_ratios([1.1, 0.9, 1.3])
-    a_seq, _ = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([0.7]), mask=mask)
-    a_tok, _ = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([[0.7] * 3]), mask=mask)
+    a_seq, _ = policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([0.7]), mask=mask)
+    a_tok, _ = policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([[0.7] * 3]), mask=mask)
     assert a_seq.item() == a_tok.item() == approx((-1.1 * 0.7 - 0.9 * 0.7 - 1.2 * 0.7) / 3)
 
 
@@ -123,7 +138,7 @@ def test_importance_sampling_value_gradient_and_log_cap():
     pi = leaf([[-1.0 + LN(1.5), -2.0 + LN(0.5), 5.0]])
     adv = t([[2.0, -1.0, 1e-9]])
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, m = compute_policy_loss("importance_sampling", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    loss, m = policy_loss("importance_sampling", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
     assert loss.item() == approx((-1.5 * 2.0 + 0.5 * 1.0 - math.exp(20) * 1e-9) / 3)
     assert m["ratio_max"].item() == approx(math.exp(20))
     assert m["ratio_min"].item() == approx(0.5)
@@ -137,7 +152,7 @@ def test_reinforce_is_minus_advantage_times_logprob():
     old = t([[-0.7, -1.5, -1.0]])
     adv = t([[2.0, -1.0, 0.5]])
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, _ = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    loss, _ = policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
     assert loss.item() == approx((-(2.0 * -0.5) - (-1.0 * -1.5) - (0.5 * -2.0)) / 3)
     loss.backward()
     assert pi.grad.tolist()[0] == approx([-2.0 / 3, 1.0 / 3, -0.5 / 3])
@@ -150,7 +165,7 @@ def test_dro_value_and_gradient():
     old = t([[-1.5, -1.0]])
     adv = t([[1.0, -2.0]])
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, _ = compute_policy_loss("dro", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, dro_beta=beta)
+    loss, _ = policy_loss("dro", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, dro_beta=beta)
     d = [0.5, -1.0]
     per_tok = [-(-1.0 * 1.0 - 0.5 * beta * d[0] ** 2), -(-2.0 * -2.0 - 0.5 * beta * d[1] ** 2)]
     assert loss.item() == approx(sum(per_tok) / 2)
@@ -163,7 +178,7 @@ def test_cispo_stop_gradient_on_clipped_weight():
     pi, old, mask = one_row_with_ratios([1.5, 1.1, 0.5], old=-1.0)
     adv = t([[1.0, 2.0, -1.0]])
     lp = [-1.0 + LN(1.5), -1.0 + LN(1.1), -1.0 + LN(0.5)]
-    loss, m = compute_policy_loss("cispo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
+    loss, m = policy_loss("cispo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask)
     assert loss.item() == approx((-1.2 * 1.0 * lp[0] - 1.1 * 2.0 * lp[1] - 0.8 * -1.0 * lp[2]) / 3)
     assert m["pg_clipfrac"].item() == approx(2 / 3)
     loss.backward()
@@ -184,7 +199,7 @@ def _gspo_batch():
 
 def test_gspo_sequence_ratio_clip_and_gradient_token_mean():
     pi, old, mask, adv = _gspo_batch()
-    loss, m = compute_policy_loss("gspo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, eps_clip=0.3)
+    loss, m = policy_loss("gspo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, eps_clip=0.3)
     s0, s1 = math.exp((0.1 + 0.3) / 2), math.exp(0.5)  # s1 = 1.649 > 1.3: clipped, A>0
     assert loss.item() == approx((2 * (-s0 * 1.0) + 3 * (-1.3 * 2.0)) / 5)
     assert m["pg_clipfrac"].item() == approx(3 / 5)
@@ -197,8 +212,8 @@ def test_gspo_sequence_ratio_clip_and_gradient_token_mean():
 
 def test_gspo_matches_sequence_level_objective_under_seq_mean_token_mean():
     pi, old, mask, adv = _gspo_batch()
-    loss, _ = compute_policy_loss("gspo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, eps_clip=0.3,
-                                  loss_agg_mode="seq_mean_token_mean")
+    loss, _ = policy_loss("gspo", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask, eps_clip=0.3,
+                          loss_agg_mode="seq_mean_token_mean")
     loss.backward()
     # Sequence-level GSPO written out:
     # L = (1/B) Σ_i max(−s_i·A_i, −clip(s_i)·A_i),  s_i = exp(mean_t(π − π_old))
@@ -226,10 +241,10 @@ def test_inf_and_nan_at_masked_positions_never_reach_loss_or_grad(name):
     ent = t([[0.5, nan, 1.5], [1.0, 2.0, inf]])
     mask = t([[1, 0, 1], [1, 1, 0]])
     params = {"dual_clip_c": 3.0} if name in ("grpo", "dapo", "gspo") else {}
-    loss, m = compute_policy_loss(name, logprobs=pi, old_logprobs=old, advantages=adv, mask=mask,
-                                  rollout_logprobs=mu, ref_logprobs=ref, entropy=ent, kl_beta=0.1,
-                                  tis=TISConfig(cap=2.0, icepop_beta=5.0, seq_mask_low=0.1, seq_mask_high=10.0),
-                                  **params)
+    loss, m = policy_loss(name, logprobs=pi, old_logprobs=old, advantages=adv, mask=mask,
+                          rollout_logprobs=mu, ref_logprobs=ref, entropy=ent, kl_beta=0.1,
+                          tis=TISConfig(cap=2.0, icepop_beta=5.0, seq_mask_low=0.1, seq_mask_high=10.0),
+                          **params)
     assert torch.isfinite(loss)
     assert all(torch.isfinite(v).all() for k, v in m.items()), m
     assert m["entropy"].item() == approx((0.5 + 1.5 + 1.0 + 2.0) / 4)
@@ -248,8 +263,8 @@ def test_tis_token_level_weights_and_cap():
     mu = t([[-1.0 - LN(0.5), -1.0 - LN(1.5), -1.0 - LN(3.0)]])
     pi = leaf([[-1.0, -2.0, -3.0]])
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
-                                  rollout_logprobs=mu, tis=TISConfig(cap=2.0))
+    loss, m = policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
+                          rollout_logprobs=mu, tis=TISConfig(cap=2.0))
     w = [0.5, 1.5, 2.0]
     assert loss.item() == approx(-((-1.0) * w[0] + (-2.0) * w[1] + (-3.0) * w[2]) / 3)
     assert m["tis_weight_mean"].item() == approx(sum(w) / 3)
@@ -265,8 +280,8 @@ def test_tis_sequence_level_geometric_mean():
     mu = t([[-LN(0.5), -LN(2.0), 50.0], [-LN(2.0), -LN(8.0), -LN(100.0)]])
     pi = leaf([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
     mask = t([[1, 1, 0], [1, 1, 0]])
-    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0, 1.0]), mask=mask,
-                                  rollout_logprobs=mu, tis=TISConfig(cap=2.0, level="sequence"))
+    loss, m = policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0, 1.0]), mask=mask,
+                          rollout_logprobs=mu, tis=TISConfig(cap=2.0, level="sequence"))
     assert loss.item() == approx((1.0 + 1.0 + 2.0 + 2.0) / 4)
     assert m["tis_weight_mean"].item() == approx(1.5)
     assert m["tis_clipfrac"].item() == approx(0.5)
@@ -281,8 +296,8 @@ def test_icepop_masks_tokens_outside_band_keeping_denominator():
     mu = t([[-LN(r) for r in ratios]])
     pi = leaf([[-1.0] * 4])
     mask = torch.ones(1, 4, dtype=torch.bool)
-    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
-                                  rollout_logprobs=mu, tis=TISConfig(cap=10.0, icepop_beta=2.0))
+    loss, m = policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
+                          rollout_logprobs=mu, tis=TISConfig(cap=10.0, icepop_beta=2.0))
     assert m["icepop_maskfrac"].item() == approx(0.5)
     assert loss.item() == approx((0.6 + 1.0) / 4)
     loss.backward()
@@ -295,9 +310,9 @@ def test_seq_mask_drops_sequences_outside_band():
     mu = t([[-LN(0.5), -LN(2.0)], [-LN(2.0), -LN(8.0)], [-LN(0.25), -LN(0.25)]])
     pi = leaf([[-1.0, -1.0]] * 3)
     mask = torch.ones(3, 2, dtype=torch.bool)
-    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0, 1.0, 1.0]),
-                                  mask=mask, rollout_logprobs=mu,
-                                  tis=TISConfig(cap=100.0, level="sequence", seq_mask_low=0.5, seq_mask_high=2.0))
+    loss, m = policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0, 1.0, 1.0]),
+                          mask=mask, rollout_logprobs=mu,
+                          tis=TISConfig(cap=100.0, level="sequence", seq_mask_low=0.5, seq_mask_high=2.0))
     assert loss.item() == approx((1.0 + 1.0) / 6)
     assert m["tis_seq_maskfrac"].item() == approx(4 / 6)
     loss.backward()
@@ -322,8 +337,8 @@ def test_kl_estimators(estimator, per_token, grad_per_token):
     ref = t([[-1.5, -1.0]])
     mask = torch.ones(1, 2, dtype=torch.bool)
     # A = 0 so the pg term is zero and the loss is kl_beta · mean(KL)
-    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), advantages=t([0.0]),
-                                  mask=mask, ref_logprobs=ref, kl_beta=0.5, kl_estimator=estimator)
+    loss, m = policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), advantages=t([0.0]),
+                          mask=mask, ref_logprobs=ref, kl_beta=0.5, kl_estimator=estimator)
     assert loss.item() == approx(0.5 * sum(per_token) / 2)
     assert m["kl_loss"].item() == approx(0.5 * sum(per_token) / 2)
     assert m["ref_kl"].item() == approx((math.exp(-0.5) + 0.5 - 1 + math.exp(1.0) - 2) / 2)
@@ -337,9 +352,9 @@ def test_kl_is_aggregated_like_the_pg_term():
     pi = leaf([[-1.0, -2.0], [-1.0, 0.0]])
     ref = t([[-1.5, -1.0], [-3.0, 9.0]])
     mask = t([[1, 1], [1, 0]])
-    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), advantages=t([1.0, 1.0]),
-                                  mask=mask, ref_logprobs=ref, kl_beta=0.1, kl_estimator="k1",
-                                  loss_agg_mode="seq_mean_token_mean")
+    loss, m = policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), advantages=t([1.0, 1.0]),
+                          mask=mask, ref_logprobs=ref, kl_beta=0.1, kl_estimator="k1",
+                          loss_agg_mode="seq_mean_token_mean")
     pg = ((1.0 + 2.0) / 2 + 1.0 / 1) / 2
     kl = 0.1 * ((0.5 - 1.0) / 2 + 2.0 / 1) / 2
     assert loss.item() == approx(pg + kl)
@@ -352,11 +367,13 @@ def test_kl_and_tis_config_errors():
     pi, old, mask = one_row_with_ratios([1.0])
     kw = dict(logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask)
     with pytest.raises(ConfigError, match="'k4'"):
-        compute_policy_loss("grpo", ref_logprobs=old, kl_beta=0.1, kl_estimator="k4", **kw)
+        policy_loss("grpo", ref_logprobs=old, kl_beta=0.1, kl_estimator="k4", **kw)
     with pytest.raises(ConfigError, match="ref_logprobs"):
-        compute_policy_loss("grpo", kl_beta=0.1, **kw)
+        policy_loss("grpo", kl_beta=0.1, **kw)
     with pytest.raises(ConfigError, match="rollout_logprobs"):
-        compute_policy_loss("grpo", tis=TISConfig(), **kw)
+        policy_loss("grpo", tis=TISConfig(), **kw)
+    with pytest.raises(ValueError, match=r"old_logprobs \(1, 2\) and mask \(1, 1\) must all be the same"):
+        policy_loss("grpo", **{**kw, "old_logprobs": t([[-1.0, -1.0]])})
 
 
 # --- aggregation --------------------------------------------------------------------------------
@@ -383,8 +400,8 @@ def _agg_batch():
 )
 def test_aggregation_modes(mode, extra, expected):
     pi, mask = _agg_batch()
-    loss, _ = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), advantages=t([1.0, 1.0]),
-                                  mask=mask, loss_agg_mode=mode, **extra)
+    loss, _ = policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), advantages=t([1.0, 1.0]),
+                          mask=mask, loss_agg_mode=mode, **extra)
     assert loss.item() == approx(expected)
 
 
@@ -392,11 +409,11 @@ def test_token_mean_micro_batches_sum_to_the_minibatch_loss():
     pi, mask = _agg_batch()
     kw = dict(advantages=t([1.0]), kl_beta=0.2, kl_estimator="k2")
     ref = t([[-1.5, -2.0, -2.0, 0.0], [-3.0, -5.5, 0.0, 0.0]])
-    full, _ = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), mask=mask,
-                                  ref_logprobs=ref, **{**kw, "advantages": t([1.0, 1.0])})
+    full, _ = policy_loss("reinforce", logprobs=pi, old_logprobs=pi.detach(), mask=mask,
+                          ref_logprobs=ref, **{**kw, "advantages": t([1.0, 1.0])})
     halves = [
-        compute_policy_loss("reinforce", logprobs=pi[i:i + 1], old_logprobs=pi[i:i + 1].detach(), mask=mask[i:i + 1],
-                            ref_logprobs=ref[i:i + 1], num_tokens=5, **kw)
+        policy_loss("reinforce", logprobs=pi[i:i + 1], old_logprobs=pi[i:i + 1].detach(), mask=mask[i:i + 1],
+                    ref_logprobs=ref[i:i + 1], num_tokens=5, **kw)
         for i in range(2)
     ]
     # pg: (1+2+3+4+5)/5 ; KL k2 ½(π − π_ref)²: [0.125, 0, 0.5] and [0.5, 0.125]
@@ -409,18 +426,32 @@ def test_token_mean_micro_batches_sum_to_the_minibatch_loss():
     assert ((3 * m0["kl_loss"] + 2 * m1["kl_loss"]) / 5).item() == approx(0.2 * 1.25 / 5)
 
 
-def test_unknown_names_and_params_are_config_errors():
-    pi, old, mask = one_row_with_ratios([1.0])
-    kw = dict(logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask)
-    with pytest.raises(ConfigError, match="'ppo2'.*cispo.*grpo"):
-        compute_policy_loss("ppo2", **kw)
-    with pytest.raises(ConfigError, match="token_sum"):
-        compute_policy_loss("grpo", loss_agg_mode="token_sum", **kw)
-    with pytest.raises(ConfigError, match="tau"):
-        compute_policy_loss("grpo", tau=0.5, **kw)
-    with pytest.raises(ConfigError, match="dual"):
-        compute_policy_loss("cispo", dual_clip_c=3.0, **kw)
+def test_the_spec_checks_its_names_and_settings_once_when_built():
+    # No tensors needed: the checks run when the LossSpec is built (once per batch), not per micro-batch.
+    with pytest.raises(ConfigError, match="unknown policy_loss 'ppo2'; valid: .*cispo.*grpo"):
+        LossSpec("ppo2", {})
+    with pytest.raises(ConfigError, match="unknown loss_agg_mode 'token_sum'"):
+        LossSpec("grpo", {}, loss_agg_mode="token_sum")
+    with pytest.raises(ConfigError, match="unknown kl_estimator 'k4'"):
+        LossSpec("grpo", {}, kl_estimator="k4")
+    with pytest.raises(ConfigError, match=r"policy_loss 'grpo' takes no settings \['tau'\]"):
+        LossSpec("grpo", {"tau": 0.5})
+    with pytest.raises(ConfigError, match=r"policy_loss 'cispo' takes no settings \['dual_clip_c'\]"):
+        LossSpec("cispo", {"dual_clip_c": 3.0})
     assert set(LOSS_AGG_MODES) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "sum"}
+
+
+def test_one_spec_serves_every_micro_batch_with_the_settings_it_was_built_with():
+    settings = {"eps_clip": 0.2}
+    spec = LossSpec("grpo", settings)
+    settings["eps_clip"] = 0.5  # the caller's dict changing afterwards does not reach the checked spec
+    with pytest.raises(TypeError):
+        spec.settings["eps_clip"] = 0.5
+    # A = 1, one token each: r = 1.3 clips at 1 + 0.2 (at 0.5 it would not), r = 1.1 does not.
+    for ratio, expected in [(1.3, -1.2), (1.1, -1.1)]:
+        pi, old, mask = one_row_with_ratios([ratio])
+        loss, _ = compute_policy_loss(spec, LossBatch(pi, old, t([1.0]), mask))
+        assert loss.item() == approx(expected)
 
 
 # --- metrics ----------------------------------------------------------------------------------
@@ -430,8 +461,8 @@ def test_metrics_are_detached_masked_means():
     old = t([[-1.0, -2.0, 5.0]])
     pi = leaf([[-1.0 + LN(1.1), -2.0 + LN(0.9), 9.0]])
     mask = t([[1, 1, 0]])
-    loss, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
-                                  entropy=t([[0.3, 0.7, 100.0]]))
+    loss, m = policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
+                          entropy=t([[0.3, 0.7, 100.0]]))
     assert all(not v.requires_grad for v in m.values())
     assert m["ppo_kl_k1"].item() == approx((-LN(1.1) - LN(0.9)) / 2)
     assert m["ppo_kl"].item() == approx((1.1 - LN(1.1) - 1 + 0.9 - LN(0.9) - 1) / 2)  # k3: r − ln r − 1
@@ -468,9 +499,9 @@ def test_the_readme_loss_is_one_function_and_one_registry_entry(readme_loss):
     assert cfg.policy_loss_settings() == {"adv_clip": 1.0}
     # loss = −clip(A, ±c)·π, token mean: A = (3, −0.5) clipped at c = 1 to (1, −0.5); π = (−1, −2).
     pi = leaf([[-1.0, -2.0]])
-    loss, m = compute_policy_loss("clipped_reinforce", logprobs=pi, old_logprobs=pi.detach(),
-                                  advantages=t([[3.0, -0.5]]), mask=torch.ones(1, 2, dtype=torch.bool),
-                                  **cfg.policy_loss_settings())
+    loss, m = policy_loss("clipped_reinforce", logprobs=pi, old_logprobs=pi.detach(),
+                          advantages=t([[3.0, -0.5]]), mask=torch.ones(1, 2, dtype=torch.bool),
+                          **cfg.policy_loss_settings())
     assert loss.item() == approx((-(1.0 * -1.0) - (-0.5 * -2.0)) / 2)
     loss.backward()
     assert pi.grad.tolist() == [[approx(-1.0 / 2), approx(0.5 / 2)]]
@@ -518,8 +549,8 @@ def test_importance_sampling_ratio_cap_value_gradient_and_config():
     # c = 2. Per token −min(r, 2)·A with r = 0.5, 1.5, 3 and A = 1, −1, 1: −0.5, +1.5, −2 (capped).
     pi, old, mask = one_row_with_ratios([0.5, 1.5, 3.0])
     adv = t([[1.0, -1.0, 1.0]])
-    loss, m = compute_policy_loss("importance_sampling", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask,
-                                  is_ratio_cap=2.0)
+    loss, m = policy_loss("importance_sampling", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask,
+                          is_ratio_cap=2.0)
     assert loss.item() == approx((-0.5 + 1.5 - 2.0) / 3)
     assert m["pg_clipfrac"].item() == approx(1 / 3)
     loss.backward()
@@ -527,14 +558,14 @@ def test_importance_sampling_ratio_cap_value_gradient_and_config():
     assert pi.grad.tolist()[0] == approx([-0.5 / 3, 1.5 / 3, 0.0])
     # Without the cap the third token keeps −r·A = −3 and its gradient.
     pi2, _, _ = one_row_with_ratios([0.5, 1.5, 3.0])
-    uncapped, _ = compute_policy_loss("importance_sampling", logprobs=pi2, old_logprobs=old, advantages=adv, mask=mask)
+    uncapped, _ = policy_loss("importance_sampling", logprobs=pi2, old_logprobs=old, advantages=adv, mask=mask)
     assert uncapped.item() == approx((-0.5 + 1.5 - 3.0) / 3)
     # A setting of the loss, set through policy_loss_params (no config field of that name).
     cfg = rl_loop.Config(policy_loss="importance_sampling", policy_loss_params={"is_ratio_cap": 2.0})
     assert cfg.policy_loss_settings() == {"is_ratio_cap": 2.0}
     with pytest.raises(ConfigError, match="is_ratio_cap=0.5 must be >= 1"):
-        compute_policy_loss("importance_sampling", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask,
-                            is_ratio_cap=0.5)
+        policy_loss("importance_sampling", logprobs=pi, old_logprobs=old, advantages=adv, mask=mask,
+                    is_ratio_cap=0.5)
 
 
 def test_tis_min_weight_clips_from_below():
@@ -543,8 +574,8 @@ def test_tis_min_weight_clips_from_below():
     mu = t([[-1.0 - LN(0.1), -1.0 - LN(1.5), -1.0 - LN(3.0)]])
     pi = leaf([[-1.0, -2.0, -3.0]])
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, m = compute_policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
-                                  rollout_logprobs=mu, tis=TISConfig(cap=2.0, min_weight=0.5))
+    loss, m = policy_loss("reinforce", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask,
+                          rollout_logprobs=mu, tis=TISConfig(cap=2.0, min_weight=0.5))
     w = [0.5, 1.5, 2.0]
     assert loss.item() == approx(-((-1.0) * w[0] + (-2.0) * w[1] + (-3.0) * w[2]) / 3)
     assert m["tis_weight_mean"].item() == approx(sum(w) / 3)
@@ -560,8 +591,8 @@ def test_tis_seq_ratio_is_the_mean_sequence_geometric_ratio():
     old = t([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
     mu = t([[-LN(0.5), -LN(2.0)], [-LN(2.0), -LN(8.0)], [-5.0, -5.0]])
     mask = t([[1, 1], [1, 1], [0, 0]])
-    _, m = compute_policy_loss("reinforce", logprobs=leaf([[-1.0] * 2] * 3), old_logprobs=old, advantages=t([1.0] * 3),
-                               mask=mask, rollout_logprobs=mu, tis=TISConfig(cap=10.0))
+    _, m = policy_loss("reinforce", logprobs=leaf([[-1.0] * 2] * 3), old_logprobs=old, advantages=t([1.0] * 3),
+                       mask=mask, rollout_logprobs=mu, tis=TISConfig(cap=10.0))
     assert m["tis_seq_ratio"].item() == approx((1.0 + 4.0) / 2)
 
 
@@ -569,11 +600,11 @@ def test_ppo_kl_is_k3_and_never_negative_k1_is_kept():
     # r = exp(π − π_old) = 2 and 0.5: k1 = mean(π_old − π) = (−ln 2 + ln 2)/2 = 0, although π moved;
     # k3 = mean(r − ln r − 1) = ((2 − ln 2 − 1) + (0.5 + ln 2 − 1))/2 = 0.25.
     pi, old, mask = one_row_with_ratios([2.0, 0.5])
-    _, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask)
+    _, m = policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask)
     assert m["ppo_kl_k1"].item() == approx(0.0) and m["ppo_kl"].item() == approx(0.25)
     # One token at r = 2: k1 = −ln 2 < 0, k3 = 1 − ln 2 > 0.
     pi, old, mask = one_row_with_ratios([2.0])
-    _, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask)
+    _, m = policy_loss("grpo", logprobs=pi, old_logprobs=old, advantages=t([1.0]), mask=mask)
     assert m["ppo_kl_k1"].item() == approx(-LN(2.0)) and m["ppo_kl"].item() == approx(1.0 - LN(2.0))
 
 
@@ -582,8 +613,8 @@ def test_entropy_bonus_value_and_gradient(agg, denominator):
     # A = 0, so the pg term is 0 and loss = −c·agg(H): H = 0.5, 1.0 on trained tokens, 2.0 masked; c = 0.1.
     pi = leaf([[-1.0, -1.0, -1.0]])
     entropy = leaf([[0.5, 1.0, 2.0]])
-    loss, m = compute_policy_loss("grpo", logprobs=pi, old_logprobs=pi.detach(), advantages=t([0.0]),
-                                  mask=t([[1, 1, 0]]), entropy=entropy, entropy_coef=0.1, loss_agg_mode=agg)
+    loss, m = policy_loss("grpo", logprobs=pi, old_logprobs=pi.detach(), advantages=t([0.0]),
+                          mask=t([[1, 1, 0]]), entropy=entropy, entropy_coef=0.1, loss_agg_mode=agg)
     assert loss.item() == approx(-0.1 * (0.5 + 1.0) / denominator)
     assert m["entropy"].item() == approx(0.75)
     loss.backward()
@@ -595,14 +626,14 @@ def test_entropy_bonus_gradient_through_the_trainers_softmax():
     # The trainer's per-token entropy (identity lm_head: logits = hidden) carries the gradient into the logits.
     # z = (0, ln 3): p = (1/4, 3/4), H = ln 4 − ¾·ln 3; ∂H/∂z_i = −p_i·(ln p_i + H),
     # so ∂(−c·H)/∂z_i = c·p_i·(ln p_i + H) = (−0.0206, +0.0206) at c = 0.1.
-    from training.utils.trainer.core import _chunk_logprobs_entropy
+    from training.utils.trainer.logprob_head import chunk_logprobs_entropy
 
     logits = leaf([[0.0, LN(3.0)]])
-    _, entropy = _chunk_logprobs_entropy(torch.nn.Identity(), logits, torch.tensor([1]), 1.0)
+    _, entropy = chunk_logprobs_entropy(torch.nn.Identity(), logits, torch.tensor([1]), 1.0)
     h = LN(4.0) - 0.75 * LN(3.0)
     assert entropy.item() == approx(h)
-    loss, _ = compute_policy_loss("grpo", logprobs=leaf([[-1.0]]), old_logprobs=t([[-1.0]]), advantages=t([0.0]),
-                                  mask=t([[1]]), entropy=entropy[None], entropy_coef=0.1)
+    loss, _ = policy_loss("grpo", logprobs=leaf([[-1.0]]), old_logprobs=t([[-1.0]]), advantages=t([0.0]),
+                          mask=t([[1]]), entropy=entropy[None], entropy_coef=0.1)
     loss.backward()
     assert logits.grad.tolist()[0] == approx([0.1 * 0.25 * (LN(0.25) + h), 0.1 * 0.75 * (LN(0.75) + h)])
 
@@ -612,8 +643,8 @@ def test_entropy_coef_zero_leaves_loss_and_gradient_bit_identical(name):
     def run(**extra):
         pi, old, mask = one_row_with_ratios([0.7, 1.3, 1.05])
         entropy = leaf([[0.4, 0.9, 1.6]])
-        loss, _ = compute_policy_loss(name, logprobs=pi, old_logprobs=old, advantages=t([[1.0, -1.0, 0.5]]),
-                                      mask=mask, entropy=entropy, **extra)
+        loss, _ = policy_loss(name, logprobs=pi, old_logprobs=old, advantages=t([[1.0, -1.0, 0.5]]),
+                              mask=mask, entropy=entropy, **extra)
         loss.backward()
         return loss, pi.grad, entropy.grad
 
@@ -621,8 +652,8 @@ def test_entropy_coef_zero_leaves_loss_and_gradient_bit_identical(name):
     assert torch.equal(base[0], zero[0]) and torch.equal(base[1], zero[1])
     assert base[2] is None and zero[2] is None, "no entropy term at all, not a zero one"
     with pytest.raises(ConfigError, match="entropy_coef=0.1 needs the per-token entropy"):
-        compute_policy_loss(name, logprobs=leaf([[-1.0]]), old_logprobs=t([[-1.0]]), advantages=t([1.0]),
-                            mask=t([[1]]), entropy_coef=0.1)
+        policy_loss(name, logprobs=leaf([[-1.0]]), old_logprobs=t([[-1.0]]), advantages=t([1.0]),
+                    mask=t([[1]]), entropy_coef=0.1)
 
 
 def test_a_losss_own_setting_checks_fire_when_the_config_is_built():

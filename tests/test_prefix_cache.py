@@ -16,6 +16,7 @@ from engine_support import deployed
 from training.utils.config import DeploymentConfig
 from training.utils.deploy import Engine
 from training.utils.deploy.decode import KVBatch, usable_prefix_lengths
+from training.utils.deploy.handle import DeploymentHandle
 from training.utils.deploy.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes, common_prefix
 from training.utils.model import load_model_and_tokenizer
 from training.utils.rl.telemetry import EngineCounters
@@ -321,7 +322,9 @@ def test_engine_counters_report_each_steps_increase_for_the_embedded_deployment_
             first = counters.step_metrics(dep)
             await dep.sampler.sample(prompt, n=1, max_tokens=3)
             second = counters.step_metrics(dep)
-        return first, second, counters.step_metrics(object())
+            external = counters.step_metrics(DeploymentHandle(base_url="http://external", model_name="m",
+                                                              sampler=dep.sampler, weight_sync=dep.weight_sync))
+        return first, second, external
 
     first, second, external = asyncio.run(main())
     assert (first["perf/prompt_tokens"], first["perf/engine_prefill_tokens"]) == (40, 40)

@@ -48,11 +48,25 @@ def test_baseline_facts_come_from_the_estimator_entry():
                 RLConfig(advantage_estimator=name, completions_per_prompt=1)
 
 
-def test_deployment_kinds_are_the_server_registry_plus_embedded():
-    assert allowed(DeploymentConfig, "kind") == {"embedded"} | set(SERVER_KINDS)
+URL = "http://127.0.0.1:1"
+
+
+def accepts(**deployment) -> bool:
+    try:
+        DeploymentConfig(**deployment)
+    except ValidationError:
+        return False
+    return True
+
+
+def test_the_config_accepts_exactly_the_deployments_the_server_registry_can_connect():
+    # The config sits below the deployments, so it names the kinds and their weight syncs in its own table;
+    # this holds it to SERVER_KINDS by what the config accepts: every kind connect_external_deployment knows
+    # and no other, and for each exactly the weight syncs it can do (`none` always; `disk` and `nccl` only
+    # with weight-update endpoints), defaulting to one of them.
+    syncs = get_args(DeploymentConfig.model_fields["weight_sync"].annotation)
+    assert allowed(DeploymentConfig, "kind") - {"embedded"} == set(SERVER_KINDS)
     for kind, entry in SERVER_KINDS.items():
-        cfg = DeploymentConfig(kind=kind, base_url="http://127.0.0.1:1")
-        assert cfg.weight_sync == ("disk" if entry.weight_sync else "none")
-        if entry.weight_sync is None:
-            with pytest.raises(ValidationError, match="not available"):
-                DeploymentConfig(kind=kind, base_url="http://127.0.0.1:1", weight_sync="disk")
+        can_connect = {"disk", "nccl", "none"} if entry.weight_sync is not None else {"none"}
+        assert {sync for sync in syncs if accepts(kind=kind, base_url=URL, weight_sync=sync)} == can_connect, kind
+        assert DeploymentConfig(kind=kind, base_url=URL).weight_sync == ("disk" if entry.weight_sync else "none")

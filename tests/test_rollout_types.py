@@ -157,14 +157,15 @@ def test_pack_run_shifts_by_one():
     assert datum.weights[datum.prompt_len - 1] == 1.0 and datum.target_ids[datum.prompt_len - 1] == 12
 
 
-def test_prompt_group_broadcasts_one_advantage_per_run_over_segments():
+def test_prompt_group_holds_the_runs_rewards_and_their_datum_tokens():
     two_segments = RolloutRun(segments=[good_sample(), good_sample(tokens=[1, 2, 3, 4, 5])])
     one_segment = RolloutRun(segments=[good_sample(reward=0.0)])
-    group = make_prompt_group("q1", [two_segments, one_segment], [0.7, -0.7], submit_version=4)
-    assert isinstance(group, PromptGroup)
-    assert group.rewards_G == [1.0, 0.0] and group.rewards == [1.0, 0.0]
-    assert [d.advantage for d in group.datums] == [0.7, 0.7, -0.7]
-    assert all(isinstance(d, Datum) for d in group.datums) and group.submit_version == 4
+    group = make_prompt_group("q1", [two_segments, one_segment], submit_version=4)
+    assert isinstance(group, PromptGroup) and group.submit_version == 4
+    assert group.rewards_G == [1.0, 0.0]
+    packed = [d for run in group.runs_G for d in pack_run(run, advantage=0.7)]
+    assert group.datum_tokens == sum(len(d) for d in packed) == 3 * 4  # three 5-token segments, shifted by one
+    assert [d.advantage for d in packed] == [0.7, 0.7, 0.7] and all(isinstance(d, Datum) for d in packed)
 
 
 def test_raw_logprobs_are_checked_like_logprobs():

@@ -323,6 +323,25 @@ def test_non_finite_gradient_skips_the_step(model, caplog):
     assert trainer.optim_step()["skipped"] == 0.0 and trainer.step == 1
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_divide_grads_divides_every_accumulated_gradient_in_place(model, lora):
+    """Two equal calls accumulate twice one call's gradient; dividing by 2 gives that gradient back exactly.
+    With LoRA only the adapters carry gradients, and the base stays without."""
+    datums = random_datums([10, 7])
+    trainer = Trainer(model, TrainerConfig(**(dict(lora_rank=4, lora_alpha=8.0) if lora else {})))
+    trainer.forward_backward(datums, nll_loss)
+    once = grads(trainer.model)
+    trainer.forward_backward(datums, nll_loss)
+    summed = grads(trainer.model)
+    trainer.divide_grads(2.0)
+    divided = grads(trainer.model)
+    assert once and divided.keys() == summed.keys() == once.keys()
+    assert all("lora_" in name for name in divided) if lora else len(divided) == len(list(model.parameters()))
+    for name, grad in divided.items():
+        assert torch.equal(grad, summed[name] / 2), name
+        assert torch.equal(grad, once[name]), name
+
+
 def test_grad_norm_is_reported_and_clipped(model):
     datums = random_datums([10, 7])
     trainer = Trainer(model, TrainerConfig(max_grad_norm=None))
@@ -440,6 +459,8 @@ def test_reference_trainer_is_frozen(model):
         reference.forward_backward(datums, nll_loss)
     with pytest.raises(RuntimeError, match="reference"):
         reference.optim_step()
+    with pytest.raises(RuntimeError, match="reference"):
+        reference.divide_grads(2.0)
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
@@ -532,12 +553,12 @@ def test_a_learning_rate_the_config_accepts_but_float32_cannot_hold_skips_the_fi
 
 
 def test_a_normal_step_changes_weights_and_state_without_an_undo_copy(model, monkeypatch):
-    from training.utils.trainer import core
+    from training.utils.trainer import optim
 
     def no_copy(*args):
         raise AssertionError("a normal step took an undo copy")
 
-    monkeypatch.setattr(core, "snapshot_params", no_copy)
+    monkeypatch.setattr(optim, "snapshot_params", no_copy)
     datums = random_datums([10, 7])
     trainer = Trainer(model, TrainerConfig(learning_rate=1e-2))
     weight = model.model.layers[0].mlp.up_proj.weight
@@ -685,16 +706,16 @@ def test_compiled_logprob_tolerances():
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="torch.compile on CPU needs a C++ compiler")
 def test_a_compilation_that_matches_eager_is_kept(model, monkeypatch, caplog):
-    from training.utils.trainer import core
+    from training.utils.trainer import compiled
 
     verdicts = []
-    mismatch = core.compiled_logprob_mismatch
+    mismatch = compiled.compiled_logprob_mismatch
 
     def recording_mismatch(*args):
         verdicts.append(mismatch(*args))
         return verdicts[-1]
 
-    monkeypatch.setattr(core, "compiled_logprob_mismatch", recording_mismatch)
+    monkeypatch.setattr(compiled, "compiled_logprob_mismatch", recording_mismatch)
     datums = random_datums([23, 6, 14, 31, 2, 9])
     trainer = Trainer(model, TrainerConfig(max_tokens_per_microbatch=32, compile_layers=True))
     with caplog.at_level(logging.WARNING, logger="training.utils.trainer"):

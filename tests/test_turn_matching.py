@@ -1,4 +1,4 @@
-"""Turn matching: the prefix classifier, message identity (normalization), and parent resolution."""
+"""Turn matching: the prefix classifier, message identity (normalization), parent resolution, turn labels."""
 
 import copy
 import hashlib
@@ -19,6 +19,7 @@ from training.utils.rl.rollout.turn_matching import (
     normalize_message,
     normalize_system,
     resolve_parent,
+    turn_label,
     unit_hash,
 )
 
@@ -306,3 +307,16 @@ def test_resolve_longest_candidate_and_ties_to_most_recent():
     # a recorded reply longer than the request is not a candidate
     assert resolve_parent(["s", "a"], {0: ["s", "a", "b"]}, 0, ["s", "q"]) == TurnDecision(WIPE, 1, None)
     assert resolve_parent(["s", "a"], {}, None, None) == TurnDecision(NEW, 0, None)
+
+
+def test_turn_label_names_a_wipe_a_branch_or_a_compaction():
+    roots = [["s", "q"]]  # the request units of the one recorded first turn
+    assert turn_label(TurnDecision(NEW, 0), ["s", "q"], []) == "new"
+    assert turn_label(TurnDecision(APPEND, 3, 2), ["s", "q", "a", "t"], roots) == "append"
+    # resumes an earlier turn (a retry of a later turn, the main agent back from a sub-agent)
+    assert turn_label(TurnDecision(WIPE, 3, 0), ["s", "q", "a", "t"], roots) == "branch"
+    # continues no turn but starts like a recorded first request: a retry of the first turn, or an edit after it
+    assert turn_label(TurnDecision(WIPE, 2, None), ["s", "q", "edited"], roots) == "branch"
+    # matches nothing recorded: a summary, or a sub-agent's first request
+    assert turn_label(TurnDecision(WIPE, 1, None), ["s", "summary"], roots) == "compaction"
+    assert turn_label(TurnDecision(WIPE, 0, None), ["sub", "q"], roots) == "compaction"

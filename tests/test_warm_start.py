@@ -15,7 +15,7 @@ from training.utils.config import SamplingConfig, TrainerConfig
 from training.utils.errors import CheckpointError, ConfigError
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl import training_run, wiring
+from training.utils.rl import startup, training_run
 from training.utils.rl.dataset import DurableRowSource
 from training.utils.rl.rollout.types import sample_from_completion
 from training.utils.trainer import Trainer
@@ -83,7 +83,7 @@ def run_capturing(recipe, cfg, monkeypatch):
     built, at_start, cursor_indices = {}, {}, []
 
     def capture(*args, **kwargs):
-        built["policy"], built["reference"], tokenizer = wiring.setup_trainers(*args, **kwargs)
+        built["policy"], built["reference"], tokenizer = startup.setup_trainers(*args, **kwargs)
         return built["policy"], built["reference"], tokenizer
 
     monkeypatch.setattr(training_run, "setup_trainers", capture)
@@ -195,19 +195,19 @@ def lora_policy(**trainer_fields):
 def test_adapters_that_do_not_fit_are_refused_naming_the_difference(tmp_path):
     peft_adapter(tmp_path / "r8", rank=8, alpha=16.0)
     with pytest.raises(ConfigError, match=r"has r=8, lora_alpha=16.0, but trainer.lora_rank=4, trainer.lora_alpha=8"):
-        wiring.warm_start(rl_loop.Config(warm_start_from_adapter=str(tmp_path / "r8"), trainer=TrainerConfig(**LORA)),
+        startup.warm_start(rl_loop.Config(warm_start_from_adapter=str(tmp_path / "r8"), trainer=TrainerConfig(**LORA)),
                           lora_policy(), {})
     peft_adapter(tmp_path / "attention", targets=["q_proj", "v_proj"])
     policy = lora_policy()
     before = adapters(policy.model)
     with pytest.raises(ConfigError, match=r"does not fit the policy: 20 of the policy's 28 adapter tensors are not in "
                                           r"it and 0 of its 8 are not in the policy .*set trainer.lora_target_modules"):
-        wiring.warm_start(rl_loop.Config(warm_start_from_adapter=str(tmp_path / "attention"),
+        startup.warm_start(rl_loop.Config(warm_start_from_adapter=str(tmp_path / "attention"),
                                          trainer=TrainerConfig(**LORA)), policy, {})
     assert_same(adapters(policy.model), before)  # nothing was loaded
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="is not a PEFT adapter directory: it needs adapter_config.json"):
-        wiring.warm_start(rl_loop.Config(warm_start_from_adapter=str(tmp_path / "empty"),
+        startup.warm_start(rl_loop.Config(warm_start_from_adapter=str(tmp_path / "empty"),
                                          trainer=TrainerConfig(**LORA)), lora_policy(), {})
 
 
@@ -216,7 +216,7 @@ def test_a_checkpoint_of_another_lora_setting_is_refused(source_checkpoint):
     cfg = rl_loop.Config(warm_start_from_checkpoint=str(path), trainer=TrainerConfig(**LORA))
     with pytest.raises(CheckpointError, match=r"cannot be loaded: it has no values for 28 of the policy's 28 LoRA "
                                               r"adapter tensors \(first: base_model\.model\.model\.layers\.0\."):
-        wiring.warm_start(cfg, lora_policy(), {})
+        startup.warm_start(cfg, lora_policy(), {})
 
 
 def test_a_lora_checkpoint_warm_starts_the_adapters(tmp_path):
@@ -224,6 +224,6 @@ def test_a_lora_checkpoint_warm_starts_the_adapters(tmp_path):
     train_one_step(trained)
     path = save_checkpoint(tmp_path, 3, policy=trained, progress={"step": 3}, np_rng=np.random.default_rng(0))
     policy = lora_policy()
-    wiring.warm_start(rl_loop.Config(warm_start_from_checkpoint=str(path), trainer=TrainerConfig(**LORA)), policy, {})
+    startup.warm_start(rl_loop.Config(warm_start_from_checkpoint=str(path), trainer=TrainerConfig(**LORA)), policy, {})
     assert_same(adapters(policy.model), adapters(trained.model))
     assert policy.step == 0 and policy.optimizer.state_dict()["state"] == {}

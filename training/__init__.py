@@ -1,3 +1,93 @@
-"""Async RL cookbook for language models: write a rollout function, the library does the rest."""
+"""Async RL cookbook for language models: write a rollout function, the library does the rest.
+
+The user contract and its helpers, in one import line:
+
+    from training import RolloutSample, RolloutSetup, sample_from_completion, SamplingConfig
+
+Recipes are imported from their own module, the one line an example changes to switch them:
+`from training.recipes.async_rl_loop import Config, main` (or `training.recipes.rl_loop`).
+Everything else under `training.utils` is the library's inside: it works, but it may move.
+
+Names load on first use, so `import training` stays cheap and never imports torch by itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+PUBLIC_NAMES: dict[str, str] = {
+    # what a rollout returns and receives
+    "RolloutSample": "training.utils.rl.rollout.types",
+    "RolloutRun": "training.utils.rl.rollout.types",
+    "RolloutSetup": "training.utils.rl.rollout.types",
+    "PromptGroup": "training.utils.rl.rollout.types",
+    "sample_from_completion": "training.utils.rl.rollout.types",
+    "ChatAssembler": "training.utils.rl.rollout.messages",
+    # errors a rollout raises or a user catches
+    "RecoverableRolloutError": "training.utils.errors",
+    "ConfigError": "training.utils.errors",
+    # the parts of a recipe's Config
+    "TrainerConfig": "training.utils.config",
+    "SamplingConfig": "training.utils.config",
+    "DeploymentConfig": "training.utils.config",
+    "AgentShimConfig": "training.utils.config",
+    "TISConfig": "training.utils.config",
+    "OverlongConfig": "training.utils.config",
+    # a policy loss of your own
+    "register_policy_loss": "training.utils.rl.losses",
+    "LossInputs": "training.utils.rl.losses",
+    "TokenLoss": "training.utils.rl.losses",
+    # data, evaluation, a deployment outside a training run
+    "read_jsonl": "training.utils.jsonl",
+    "write_jsonl": "training.utils.jsonl",
+    "GeneratedSplits": "training.utils.rl.dataset",
+    "rollout_evaluation": "training.utils.rl.evaluation",
+    "serve_policy": "training.utils.rl.startup",
+    "load_tokenizer": "training.utils.model",
+    "load_model_and_tokenizer": "training.utils.model",
+}
+"""Public name -> the module that defines it (`tests/test_public_api.py` holds this list to the docs)."""
+
+__all__ = sorted(PUBLIC_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    module = PUBLIC_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'training' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(PUBLIC_NAMES))
+
+
+if TYPE_CHECKING:
+    from training.utils.config import (
+        AgentShimConfig,
+        DeploymentConfig,
+        OverlongConfig,
+        SamplingConfig,
+        TISConfig,
+        TrainerConfig,
+    )
+    from training.utils.errors import ConfigError, RecoverableRolloutError
+    from training.utils.model import load_model_and_tokenizer, load_tokenizer
+    from training.utils.jsonl import read_jsonl, write_jsonl
+    from training.utils.rl.dataset import GeneratedSplits
+    from training.utils.rl.evaluation import rollout_evaluation
+    from training.utils.rl.losses import LossInputs, TokenLoss, register_policy_loss
+    from training.utils.rl.rollout.messages import ChatAssembler
+    from training.utils.rl.rollout.types import (
+        PromptGroup,
+        RolloutRun,
+        RolloutSample,
+        RolloutSetup,
+        sample_from_completion,
+    )
+    from training.utils.rl.startup import serve_policy

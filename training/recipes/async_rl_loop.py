@@ -23,8 +23,8 @@ The trainer side of each batch has the same five phases as `rl_loop`:
   5. Metrics, evaluation, checkpoint.
 The producer, the gate and the coordinator live in `training/utils/rl/async_rl/`; all model
 work runs on one trainer thread, so the event loop keeps serving rollouts meanwhile. What both
-recipes do around their loop (start-up, resume, the end of each step, the last checkpoint and
-evaluation, shutdown) is `training/utils/rl/training_run.py`. Under torchrun (README: Scaling
+recipes do before their loop is `training/utils/rl/startup.py`; the end of each step, the last
+checkpoint and evaluation, and shutdown are `training/utils/rl/training_run.py`. Under torchrun (README: Scaling
 out) rank 0 runs all of the above and the other ranks only train: they make each
 trainer-thread call rank 0 announces (`TrainerWorker.follow`).
 """
@@ -34,25 +34,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import Field, model_validator
 
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment
-from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS
-from training.utils.rl.async_rl import (
-    BatchCoordinator,
-    Chunk,
-    CircuitBreaker,
-    OffPolicyGate,
-    RolloutProducer,
-    make_draw_fn,
-)
-from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
-from training.utils.rl.rollout.invoke import context_params
-from training.utils.rl.rollout.types import PromptGroup
+from training.utils.rl.async_rl import BatchCoordinator, CircuitBreaker, OffPolicyGate, RolloutProducer
+from training.utils.rl.groups import SettledRow, group_of, rollout_metrics
 from training.utils.rl.telemetry import perf_metrics, version_offset_metrics
 from training.utils.rl.train_step import BatchUpdate
 from training.utils.rl.training_run import TrainingRun, recipe_main
@@ -105,12 +94,7 @@ class Config(RLConfig):
                 f"synchronous_training=True trains on-policy, but max_head_offpolicy_versions="
                 f"{self.max_head_offpolicy_versions} lets rows sample from older weights; leave it unset (0)"
             )
-        c, g = self.max_concurrency_rollout_sample, self.completions_per_prompt
-        if c is not None and c < g:
-            raise ValueError(
-                f"max_concurrency_rollout_sample={c} is below completions_per_prompt={g}; a row starts all "
-                "its draws at once, so no row could ever start"
-            )
+        OffPolicyGate.check_concurrency(self.max_concurrency_rollout_sample, self.completions_per_prompt)
         if self.stall_timeout_s <= self.rollout_timeout_s:
             raise ValueError(
                 f"stall_timeout_s={self.stall_timeout_s:g} must exceed rollout_timeout_s={self.rollout_timeout_s:g}, "
@@ -122,36 +106,36 @@ class Config(RLConfig):
 async def train_loop(run: TrainingRun, *, dynamic_filter_fn=None) -> None:
     """Batches until the planned steps are published; `run` started everything else and finishes it."""
     cfg, worker = run.cfg, run.worker
-    coordinator, producer = start_producer(run, dynamic_filter_fn)
-    run.resume_state = lambda: {"weights_version": run.deployment.version, **producer.resume_state()}
+    producer = start_producer(run, dynamic_filter_fn)
     producer_task = asyncio.create_task(producer.run(), name="rollout-producer")
     try:
         t_published = time.monotonic()
-        while (batch := await coordinator.next_batch()) is not None:
+        while (batch := await producer.next_batch()) is not None:
             worker.take_busy_s()
-            # 1.–3. Each chunk as it arrives: reference and old-policy logprobs, then its gradient;
-            #       the optimizer step(s) once the batch is complete.
-            update = await worker.share("update", BatchUpdate(run.policy, run.reference, cfg, run.rng,
+            # 1.–3. Each chunk as it arrives: its advantages, reference and old-policy logprobs, then its
+            #       gradient; the optimizer step(s) once the batch is complete.
+            update = await worker.share("update", BatchUpdate(run.policy, run.reference, cfg, run.rng, run.kl,
                                                               planned_chunks=len(batch.chunk_targets)))
-            while (chunk := await coordinator.next_chunk(batch)) is not None:
-                await worker.run(update.add, [d for g in chunk_groups(chunk, cfg) for d in g.datums])
+            while (chunk := await producer.next_chunk(batch)) is not None:
+                await worker.run(update.add, chunk.groups)
             metrics = await worker.run(update.finish)
             train_time = worker.take_busy_s()
             # 4. Publish: push the weights, and only then the version the gate and rollouts see.
             t_sync = time.monotonic()
             metrics |= await run.publish_weights(batch.id)
             sync_time = time.monotonic() - t_sync
-            coordinator.publish(batch, run.deployment.version)
+            producer.publish(batch, run.deployment.version)
             # 5. Metrics, evaluation, checkpoint.
             now = time.monotonic()
-            rejected, reasons = coordinator.take_rejected()
+            rejected, reasons = producer.take_rejected()
             run.count_rejected([row.settled for row in batch.rows] + rejected, reasons)
             metrics |= step_metrics(batch, rejected, reasons, producer, run.deployment, t_published,
                                     step_time=now - t_published, train_time=train_time, sync_time=sync_time)
             t_published = now
-            await run.end_step(batch.id, metrics)
+            await run.end_step(batch.id, metrics, {"weights_version": run.deployment.version,
+                                                   **producer.resume_state()})
         await producer_task
-        run.count_rejected(*coordinator.take_rejected())  # rows rejected after the last batch
+        run.count_rejected(*producer.take_rejected())  # rows rejected after the last batch
     finally:
         # The producer stops first: it cancels every rollout in flight before anything they use closes.
         if not producer_task.done():
@@ -165,9 +149,9 @@ main = recipe_main(train_loop, Config)
 # ---- start-up ------------------------------------------------------------------------------
 
 
-def start_producer(run: TrainingRun, dynamic_filter_fn) -> tuple[BatchCoordinator, RolloutProducer]:
+def start_producer(run: TrainingRun, dynamic_filter_fn) -> RolloutProducer:
     """Wire source, gate, coordinator and producer, continuing from a checkpoint's progress."""
-    cfg, rows, progress, step = run.cfg, run.rows, run.progress, run.start_step
+    cfg, progress, step = run.cfg, run.progress, run.start_step
     source = run.row_source()
     gate = OffPolicyGate(
         group_size=cfg.completions_per_prompt, groups_per_batch=cfg.prompt_groups_per_step,
@@ -180,9 +164,8 @@ def start_producer(run: TrainingRun, dynamic_filter_fn) -> tuple[BatchCoordinato
     )
     producer = RolloutProducer(
         source=source, gate=gate, coordinator=coordinator,
-        draw=make_draw_fn(run.rollout_fn, context_params(run.rollout_fn), rows_per_epoch=len(rows),
-                          vocab_size=run.policy.model.config.vocab_size, timeout_s=cfg.rollout_timeout_s),
-        build_group=group_builder(cfg, dynamic_filter_fn),
+        draw=run.draws(),
+        build_group=lambda settled: group_of(settled, cfg.advantage_estimator, dynamic_filter_fn),
         breaker=CircuitBreaker(max_consecutive=cfg.max_consecutive_rollout_failures,
                                max_rate=cfg.max_rollout_failure_rate, window=cfg.rollout_failure_window,
                                min_observations=cfg.rollout_failure_window // 2),
@@ -194,31 +177,7 @@ def start_producer(run: TrainingRun, dynamic_filter_fn) -> tuple[BatchCoordinato
         on_gauges=lambda gauges: run.logger.log_stream("producer/event", gauges),
         gauge_interval_s=cfg.producer_metrics_interval_s,
     )
-    return coordinator, producer
-
-
-def group_builder(cfg: Config, dynamic_filter_fn) -> Callable[[SettledRow], tuple[PromptGroup | None, str]]:
-    """A settled row → its group (advantages, then the user's filter), or None and why."""
-
-    def build(settled: SettledRow) -> tuple[PromptGroup | None, str]:
-        groups, counts = build_groups([settled], cfg.advantage_estimator, dynamic_filter_fn)
-        if groups:
-            return groups[0], "accepted"
-        return None, next(reason for reason, n in counts.items() if n and reason != "accepted")
-
-    return build
-
-
-# ---- chunks and metrics -------------------------------------------------------------------
-
-
-def chunk_groups(chunk: Chunk, cfg: Config) -> list[PromptGroup]:
-    """The chunk's groups; an estimator that whitens across the batch is re-run over the chunk,
-    the unit that trains together (with one chunk that is the whole batch, as in rl_loop)."""
-    if not ADVANTAGE_ESTIMATORS[cfg.advantage_estimator].whiten_batch:
-        return chunk.groups
-    groups, _ = build_groups([row.settled for row in chunk.rows], cfg.advantage_estimator, None)
-    return groups
+    return producer
 
 
 def step_metrics(batch, rejected: list[SettledRow], reasons: Counter, producer: RolloutProducer,
@@ -233,7 +192,7 @@ def step_metrics(batch, rejected: list[SettledRow], reasons: Counter, producer: 
     metrics |= version_offset_metrics(groups, trained_against_version=batch.id - 1)
     metrics |= perf_metrics(step_time=step_time, train_time=train_time, rollout_wait_time=batch.rollout_wait_s,
                             weight_sync_time=sync_time, samples=samples,
-                            tokens=sum(len(d) for g in groups for d in g.datums))
+                            tokens=sum(g.datum_tokens for g in groups))
     return metrics | {
         "async/version": float(batch.id),
         "async/weights_version": float(deployment.version),

@@ -18,8 +18,8 @@ Each iteration has five visible phases:
   5. Metrics, evaluation, checkpoint.
 The rows of each batch, the step count and the checkpoints are the async recipe's: the same
 config resumes the same way, and with `max_head_offpolicy_versions=0` both train the same rows.
-What both recipes do around their loop (start-up, resume, the end of each step, the last
-checkpoint and evaluation, shutdown) is `training/utils/rl/training_run.py`.
+What both recipes do before their loop is `training/utils/rl/startup.py`; the end of each step,
+the last checkpoint and evaluation, and shutdown are `training/utils/rl/training_run.py`.
 Under torchrun (README: Scaling out) rank 0 runs all five phases and the other ranks train
 only: they make each trainer call rank 0 announces (`TrainerWorker.follow`).
 """
@@ -37,8 +37,8 @@ from training.utils.config import RLConfig
 from training.utils.deploy import Deployment
 from training.utils.errors import CircuitBreakerError
 from training.utils.rl.dataset import RowItem
-from training.utils.rl.groups import SettledRow, build_groups, rollout_metrics
-from training.utils.rl.rollout.invoke import context_params, draw_context, gather_or_cancel, run_draw
+from training.utils.rl.groups import ACCEPTED, SettledRow, group_of, rollout_metrics, settle_attempt
+from training.utils.rl.rollout.invoke import DrawFn, gather_or_cancel
 from training.utils.rl.rollout.types import PromptGroup
 from training.utils.rl.telemetry import perf_metrics
 from training.utils.rl.train_step import train_batch
@@ -57,25 +57,23 @@ class Config(RLConfig):
 async def train_loop(run: TrainingRun, *, dynamic_filter_fn=None) -> None:
     """Steps until the planned ones are published; `run` started everything else and finishes it."""
     cfg = run.cfg
-    source = run.row_source()
-    run.resume_state = lambda: {"weights_version": run.deployment.version, "cursor": source.state_dict()}
-    context_keys = context_params(run.rollout_fn)
+    source, draw = run.row_source(), run.draws()
     empty_batches = 0
     for step in range(run.start_step + 1, run.total_steps + 1):
         t_step = time.monotonic()
         # 1. Sample P rows × G draws on the published policy; assemble groups.
         items_P = [item for _ in range(cfg.prompt_groups_per_step) if (item := source.next()) is not None]
-        settled_P = await sample_batch(items_P, run.rollout_fn, context_keys, cfg, rows_per_epoch=len(run.rows),
-                                       vocab_size=run.policy.model.config.vocab_size, version=run.deployment.version)
-        groups, counts = build_groups(settled_P, cfg.advantage_estimator, dynamic_filter_fn)
+        settled_P = await sample_batch(items_P, draw, cfg, version=run.deployment.version)
+        outcomes = [group_of(settled, cfg.advantage_estimator, dynamic_filter_fn) for settled in settled_P]
+        groups = [group for group, _ in outcomes if group is not None]
+        counts = Counter(reason for _, reason in outcomes)
         metrics = rollout_metrics(settled_P, groups, counts)
-        run.count_rejected(settled_P, +(counts - Counter(accepted=counts["accepted"])))
+        run.count_rejected(settled_P, +(counts - Counter({ACCEPTED: counts[ACCEPTED]})))
         t_sampled = time.monotonic()
         if groups:
             empty_batches = 0
-            # 2.–3. Reference and old-policy logprobs, then the PPO inner loop (on the trainer thread).
-            datums_D = [d for g in groups for d in g.datums]
-            metrics |= await run.worker.run(train_batch, run.policy, run.reference, datums_D, cfg, run.rng)
+            # 2.–3. Advantages, reference and old-policy logprobs, then the PPO inner loop (on the trainer thread).
+            metrics |= await run.worker.run(train_batch, run.policy, run.reference, groups, cfg, run.rng, run.kl)
         else:
             empty_batches = check_empty_batch(empty_batches, settled_P, counts, cfg)
         t_trained = time.monotonic()
@@ -88,7 +86,7 @@ async def train_loop(run: TrainingRun, *, dynamic_filter_fn=None) -> None:
         # 5. Metrics, evaluation, checkpoint.
         metrics |= step_metrics(groups, run.deployment, step_time=t_synced - t_step, train_time=t_trained - t_sampled,
                                 rollout_wait_time=t_sampled - t_step, sync_time=t_synced - t_trained)
-        await run.end_step(step, metrics)
+        await run.end_step(step, metrics, {"weights_version": run.deployment.version, "cursor": source.state_dict()})
 
 
 main = recipe_main(train_loop, Config)
@@ -102,7 +100,7 @@ def step_metrics(groups: list[PromptGroup], deployment: Deployment, *, step_time
     samples = sum(len(g.runs_G) for g in groups)
     return perf_metrics(
         step_time=step_time, train_time=train_time, rollout_wait_time=rollout_wait_time,
-        weight_sync_time=sync_time, samples=samples, tokens=sum(len(d) for g in groups for d in g.datums),
+        weight_sync_time=sync_time, samples=samples, tokens=sum(g.datum_tokens for g in groups),
     ) | {
         "train/weights_version": float(deployment.version),
         "batch/samples": float(samples),
@@ -110,37 +108,21 @@ def step_metrics(groups: list[PromptGroup], deployment: Deployment, *, step_time
     }
 
 
-async def sample_batch(
-    items_P: list[RowItem], rollout_fn, context_keys, cfg: RLConfig, *, rows_per_epoch: int, vocab_size: int,
-    version: int
-) -> list[SettledRow]:
+async def sample_batch(items_P: list[RowItem], draw: DrawFn, cfg: RLConfig, *, version: int) -> list[SettledRow]:
     """Phase 1: all rows of the batch concurrently; a fatal error in any draw cancels the rest."""
-    return await gather_or_cancel([
-        sample_row(item, rollout_fn, context_keys, cfg, rows_per_epoch=rows_per_epoch, vocab_size=vocab_size,
-                   version=version)
-        for item in items_P
-    ])
+    return await gather_or_cancel([sample_row(item, draw, cfg, version=version) for item in items_P])
 
 
-async def sample_row(
-    item: RowItem, rollout_fn, context_keys, cfg: RLConfig, *, rows_per_epoch: int, vocab_size: int, version: int
-) -> SettledRow:
-    """G draws of one row; re-run all G while too few survive, up to the retry budget."""
-    drops: Counter = Counter()
-    min_runs = cfg.effective_min_group_size()
-    for attempt in range(1, cfg.max_incomplete_group_retries + 2):
-        contexts = [draw_context(item, rows_per_epoch=rows_per_epoch, sample_index=i, submit_version=version)
-                    for i in range(cfg.completions_per_prompt)]
-        results = await gather_or_cancel([
-            run_draw(rollout_fn, item.row, ctx, context_keys, row_id=item.row_id, draw_index=ctx["sample_index"],
-                     vocab_size=vocab_size, timeout_s=cfg.rollout_timeout_s)
-            for ctx in contexts
-        ])
-        drops.update(r.drop_reason for r in results if r.drop_reason)
-        runs_G = [r.run for r in results if r.run is not None]
-        if len(runs_G) >= min_runs:
-            return SettledRow(item.row_id, item.row, runs_G, drops, attempt, submit_version=version)
-    return SettledRow(item.row_id, item.row, [], drops, attempt, rejected=True, submit_version=version)
+async def sample_row(item: RowItem, draw: DrawFn, cfg: RLConfig, *, version: int) -> SettledRow:
+    """G draws of one row, re-run while `settle_attempt` says too few survived and a retry is left."""
+    settled, drops, attempt = None, Counter(), 0
+    while settled is None:
+        attempt += 1
+        results_G = await gather_or_cancel([draw(item, i, version) for i in range(cfg.completions_per_prompt)])
+        settled, drops = settle_attempt(item, results_G, attempt=attempt, earlier_drops=drops, submit_version=version,
+                                        min_group_size=cfg.effective_min_group_size(),
+                                        max_retries=cfg.max_incomplete_group_retries)
+    return settled
 
 
 def check_empty_batch(empty_batches: int, settled_P: list[SettledRow], counts: Counter, cfg: Config) -> int:

@@ -1,216 +1,37 @@
-"""Pydantic configs shared by both recipes.
+"""Pydantic configs shared by both recipes: the algorithm's `RLConfig` and its parts.
 
 Each field's docstring is its documentation. Configs reject unknown keys and validate at
-construction, so a typo or an impossible value fails before any model is loaded.
+construction, so a typo or an impossible value fails before any model is loaded. The trainer's
+config lives in `trainer_config.py`, the inference side's (sampling, deployment, agent shim) in
+`deployment_config.py`; every config is importable from here.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from training.utils.config_base import FiniteFloat, StrictModel
+from training.utils.deployment_config import AgentShimConfig, DeployConfig, DeploymentConfig, SamplingConfig
 from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS
-from training.utils.rl.losses import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from training.utils.rl.loss_aggregation import LOSS_AGG_MODES
+from training.utils.rl.losses import KL_ESTIMATORS, POLICY_LOSSES
+from training.utils.trainer_config import TrainerConfig
 
-
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
-
-
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-"""A float that must be finite. A `gt=0` bound lets inf through (nan fails any bound); fields whose inf would
-poison the run (a learning rate, a loss weight, a timeout that reaches aiohttp or timedelta) take this type."""
-
-AdamBeta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
-"""One AdamW decay rate: in [0, 1). At 1 the moment estimates never forget and their bias correction divides by 0."""
-
-
-class TrainerConfig(StrictModel):
-    """The local policy trainer: optimizer, schedule and micro-batching."""
-
-    learning_rate: FiniteFloat = Field(1e-6, gt=0)
-    """Peak AdamW learning rate."""
-    adam_betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.95)
-    """AdamW (beta1, beta2), each in [0, 1)."""
-    weight_decay: FiniteFloat = Field(0.0, ge=0)
-    """Decoupled AdamW weight decay."""
-    max_grad_norm: FiniteFloat | None = Field(1.0, gt=0)
-    """Clip the global gradient norm to this value; None (not inf) disables clipping (the norm is still reported)."""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Shape after warmup: constant, linear decay to `min_lr_ratio`, or cosine decay to `min_lr_ratio`."""
-    warmup_steps: int = Field(0, ge=0)
-    """Optimizer steps of linear warmup from 0 to the peak learning rate."""
-    min_lr_ratio: FiniteFloat = Field(0.0, ge=0, le=1)
-    """Final learning rate of the linear/cosine schedules, as a fraction of the peak."""
-    total_steps: int | None = Field(None, gt=0)
-    """Optimizer steps the decay spans; recipes fill it from the run length when unset."""
-    max_tokens_per_microbatch: int = Field(2048, gt=0)
-    """Token budget of one forward/backward; sequences are length-bucketed into micro-batches under it.
-    Activation memory grows with it (~2 GB per 1k tokens for a 135M model in float32 on CPU); raise it on GPUs."""
-    pack_sequences: bool = False
-    """Concatenate each micro-batch's datums into one row, position ids restarting at every datum, instead of
-    right-padding them to the longest: no padding is computed, and the budget counts real tokens. Flash/flex
-    attention keep the datums apart at the cost of each datum alone; the default `sdpa` builds a block-diagonal
-    mask and computes the whole row's length squared. On a CPU that paid off for lengths spread over 64-256
-    tokens (1.6x faster) and cost 1.4x for many ~50-token datums in 2048-token rows (benchmarks/RESULTS.md)."""
-    share_prefixes: Literal["auto", "on", "off"] = "auto"
-    """Compute datums that begin alike (a group's draws of one prompt, the turns of one conversation) as one
-    row: their common prefix once, then each datum's own tokens, which attend to the prefix and themselves.
-    Logprobs, entropies and gradients are those of the datums apart; the budget counts the tokens computed.
-    Datums join while that lowers the estimated compute (a prefix of at least 8 tokens, dense-mask attention
-    counted). `auto`: on where the model's attention takes a custom mask (`sdpa`, `eager`, `flex_attention`),
-    off for flash-attention kernels; `on` raises for those. On a quiet 2-core CPU the main job's
-    trainer step ran 3.8x faster, computing 4x fewer tokens (benchmarks/RESULTS.md)."""
-    precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
-    """Trainer numerics. `fp32`: float32 everywhere. `bf16-autocast`: float32 weights, gradients and AdamW state,
-    matmuls in bfloat16 under autocast. `bf16`: bfloat16 weights and AdamW state (half the memory, but an update
-    smaller than a weight's bf16 resolution is lost). `auto`: bf16-autocast where bf16 compute is native (CUDA,
-    and CPUs with AVX512-BF16 or AMX, detected at run time), fp32 elsewhere. The reference model uses the same
-    numerics as the policy."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
-    compile_layers: bool = False
-    """`torch.compile` each decoder layer (dynamic shapes): fuses the norms, rotary embedding, activation and
-    residual adds, which a GPU otherwise runs as separate memory-bound kernels. The first call compiles (tens of
-    seconds; all layers share one compilation); results match eager to float rounding. The first micro-batch
-    of logprobs and of training each runs compiled and eager too: if the compiled pass raises or its logprobs
-    disagree beyond rounding, the trainer warns once and runs the layers eagerly from then on."""
-    logprob_chunk_tokens: int = Field(1024, gt=0)
-    """Tokens per chunk when turning logits into logprobs, bounding the float32 vocab-sized buffer."""
-    distributed_timeout_s: FiniteFloat = Field(1800.0, gt=0)
-    """Under torchrun (README: Scaling out): longest wait of one collective (gradient reduction, weight
-    gather, checkpoint) before the rank fails with an error instead of hanging."""
-
-    # -- LoRA (README: LoRA) -------------------------------------------------------------
-    lora_rank: int = Field(0, ge=0)
-    """Rank r of LoRA adapters (peft) on `lora_target_modules`; 0 trains every weight. With r > 0 only the
-    adapters train, the reference for `kl_beta` is the same model with adapters disabled (no second copy),
-    weight sync and `save_hf` send merged weights, and checkpoints hold the adapters. LoRA usually wants a
-    learning rate about 10x higher than full fine-tuning."""
-    lora_alpha: FiniteFloat = Field(32.0, gt=0)
-    """Adapter scale: the update is (lora_alpha / lora_rank)·B·A."""
-    lora_dropout: FiniteFloat = Field(0.0, ge=0, lt=1)
-    """Dropout on the adapter input while training. Keep 0 for RL: with dropout the training pass no longer
-    computes the anchor's distribution, so the ratio is not 1 on the first step."""
-    lora_target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
-    )
-    """Names of the linear layers that get adapters (a layer matches by its last name component); the
-    default is the attention and MLP projections of Llama/Qwen/Mistral-style models."""
-
-
-class SamplingConfig(StrictModel):
-    """Default sampling parameters handed to rollouts as `setup.sample_kwargs`."""
-
-    max_tokens: int = Field(256, gt=0)
-    """Maximum new tokens per completion."""
-    temperature: FiniteFloat = Field(1.0, ge=0)
-    """Sampling temperature; the trainer computes logprobs at the same temperature. 0 means greedy."""
-    top_p: FiniteFloat = Field(1.0, gt=0, le=1)
-    """Nucleus sampling; keep 1.0 for RL so the sampled distribution is the one the trainer scores."""
-    top_k: int = Field(0, ge=0)
-    """Top-k sampling; 0 disables it (keep it off for RL for the same reason as top_p)."""
-    stop: list[str] = Field(default_factory=list)
-    """Extra stop strings; the tokenizer's EOS always stops."""
-    timeout_s: FiniteFloat = Field(300.0, gt=0)
-    """Per-request timeout; a request that exceeds it is aborted and reported as a recoverable error."""
-
-
-class DeploymentConfig(StrictModel):
-    """The inference deployment rollouts sample from."""
-
-    kind: Literal["embedded", "vllm", "sglang", "openai"] = "embedded"
-    """`embedded`: an engine inside the training process, served over HTTP on `host:port`. `vllm` / `sglang`:
-    a server you started at `base_url`, spoken to through its own API (README: Scaling out). `openai`: any
-    OpenAI-compatible completions server that returns token ids and logprobs (sampling only, no weight sync)."""
-    base_url: str | None = None
-    """Root URL of an external server, e.g. `http://gpu-node:8000` (without `/v1`); required unless `embedded`."""
-    host: str = "127.0.0.1"
-    """Bind address of the embedded server. Anything but loopback requires `api_key`."""
-    port: int = Field(0, ge=0, le=65535)
-    """Port of the embedded server; 0 picks a free one."""
-    api_key: str | None = None
-    """Bearer token the embedded server requires on every endpoint but `/health`; when None it generates a
-    secret per run instead (`setup.inference_api_key`). Mandatory when binding beyond loopback, so remote
-    clients can be given it; sent to an external server."""
-    weight_sync: Literal["in_process", "disk", "nccl", "none"] = "in_process"
-    """`in_process` (embedded only): copy tensors into the engine's model; `disk`: write safetensors to `weight_dir`
-    and have the server load them (the default for vllm/sglang); `nccl` (vllm/sglang, GPUs on both ends): broadcast
-    the tensors into the server's GPUs; `none` (the only choice for openai): the server keeps its initial weights."""
-    inflight_on_sync: Literal["finish_old", "continue_new"] = "continue_new"
-    """What in-flight requests do at a weight sync: finish on the old weights (the sync waits for them),
-    or pause and continue on the new weights (the embedded engine records each token's version)."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Weights of the embedded engine's model copy; `auto`: bfloat16 where bf16 compute is native (CUDA, and CPUs
-    with AVX512-BF16 or AMX, detected at run time), float32 elsewhere. In-process sync converts the trainer's
-    (float32) tensors on copy."""
-    decode_steps: Literal["auto", "eager", "graphs", "static"] = "auto"
-    """How the embedded engine runs a decode step. `graphs` (CUDA only): captured CUDA graphs, one per (rows,
-    columns) bucket, replayed without launch overhead. `eager`: a plain forward over the live rows and columns.
-    `static`: the graphs' static-shape step run without capture, to tell a capture problem from a shape problem.
-    `auto`: graphs on CUDA, eager elsewhere. `graphs` and `static` (chosen or set) are checked at start-up against
-    the eager step on a small batch; if they raise or their logits differ beyond rounding, the engine runs eager
-    steps and warns why (docs/engine-decode-loop.md: Start-up self-check). `eager` skips the check."""
-    max_batch_requests: int = Field(64, gt=0)
-    """Most sequences the engine decodes at once."""
-    prefix_cache_tokens: int = Field(8192, ge=0)
-    """Tokens of keys/values the embedded engine keeps from recently prefilled prompts and finished sequences, so
-    a prompt that starts with them (the G draws of one row, the next turn of a chat) prefills only the rest; least
-    recently used first out, emptied at every weight update; 0 turns it off. A token costs 2 x layers x KV heads x
-    head dim x dtype bytes: 46 KB for SmolLM2-135M in float32 (the default is then ~380 MB), 12 KB for
-    Qwen2.5-0.5B in bfloat16 (docs/engine-decode-loop.md: Prefix cache)."""
-    max_context_tokens: int | None = Field(None, gt=0)
-    """Longest prompt + completion served; defaults to the model's `max_position_embeddings`."""
-    weight_sync_timeout_s: FiniteFloat = Field(600.0, gt=0)
-    """Upper bound on one weight sync; exceeding it raises instead of hanging."""
-    weight_dir: str | None = None
-    """Where `disk` sync writes `step_<version>/` directories; an external server must see it at the same path
-    (a shared filesystem). None: a temporary directory, removed at the end (enough for a server on this machine)."""
-    nccl_master_address: str | None = None
-    """Address of this trainer that the server's GPUs reach for `nccl` sync; None: this host's address."""
-    nccl_master_port: int = Field(0, ge=0, le=65535)
-    """Port the trainer opens for the `nccl` rendezvous; 0 picks a free one."""
-    connect_timeout_s: FiniteFloat = Field(60.0, gt=0)
-    """How long start-up waits for an external server's health check (it may still be loading its model)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _external_weight_sync_default(cls, data):
-        # `in_process` cannot reach another process: an external kind defaults to what it supports.
-        if isinstance(data, dict) and data.get("kind") in ("vllm", "sglang", "openai") and "weight_sync" not in data:
-            data = {**data, "weight_sync": "none" if data["kind"] == "openai" else "disk"}
-        return data
-
-    @model_validator(mode="after")
-    def _remote_bind_needs_key(self) -> DeploymentConfig:
-        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.api_key:
-            raise ValueError(f"deployment.host={self.host!r} binds beyond loopback; set deployment.api_key too")
-        return self
-
-    @model_validator(mode="after")
-    def _kind_combinations(self) -> DeploymentConfig:
-        if self.kind == "embedded":
-            if self.weight_sync not in ("in_process", "disk"):
-                raise ValueError(f"deployment.weight_sync={self.weight_sync!r} is for external servers; "
-                                 "the embedded deployment takes 'in_process' or 'disk'")
-            return self
-        if not self.base_url:
-            raise ValueError(f"deployment.kind={self.kind!r} needs deployment.base_url (e.g. 'http://localhost:8000')")
-        if not self.base_url.startswith(("http://", "https://")) or self.base_url.rstrip("/").endswith("/v1"):
-            raise ValueError(f"deployment.base_url={self.base_url!r}: give the server's root URL, "
-                             "'http(s)://host:port' without '/v1'")
-        allowed = ("none",) if self.kind == "openai" else ("disk", "nccl", "none")
-        if self.weight_sync not in allowed:
-            raise ValueError(f"deployment.weight_sync={self.weight_sync!r} is not available with kind={self.kind!r}; "
-                             f"use one of {allowed}")
-        return self
-
-
-DeployConfig = DeploymentConfig
-"""The cookbook's name for `DeploymentConfig` (`deployment=DeployConfig(...)`): the same class."""
+__all__ = [
+    "AgentShimConfig",
+    "DeployConfig",
+    "DeploymentConfig",
+    "FiniteFloat",
+    "OverlongConfig",
+    "RLConfig",
+    "SamplingConfig",
+    "StrictModel",
+    "TISConfig",
+    "TrainerConfig",
+]
 
 
 class TISConfig(StrictModel):
@@ -252,56 +73,6 @@ class OverlongConfig(StrictModel):
     """L_cache: the length range below max_length over which the penalty grows from 0 to −1."""
     max_length: int | None = Field(None, gt=0)
     """L_max: the length that costs the whole −1; None means `sampling.max_tokens`."""
-
-
-class AgentShimConfig(StrictModel):
-    """The agent shim (README: The agent shim): a local Anthropic/OpenAI endpoint that records black-box agents' turns.
-
-    Enabled, the recipes start it after the deployment and hand it to rollouts as `setup.shim`.
-    The trainer owns sampling: temperature, top_p and top_k come from `sampling`, and a turn's
-    max_tokens is the least of `sampling.max_tokens`, the client's own cap and the context left.
-    """
-
-    enabled: bool = False
-    """Start the shim and pass it to rollouts as `setup.shim`."""
-    host: str = "127.0.0.1"
-    """Bind address. Every model endpoint requires a session key (a random token minted per rollout);
-    binding beyond loopback exposes the shim to other machines, so do it only on a trusted network."""
-    port: int = Field(0, ge=0, le=65535)
-    """Port; 0 picks a free one."""
-    turn_matching: Literal["message_hash", "token_prefix"] = "message_hash"
-    """How a request is matched to the turns already recorded: hashes of normalized messages (default), or
-    the stricter token prefix (a request continues a turn only if its fresh render starts with that turn's
-    prompt + output ids)."""
-    stitching: Literal["split", "repair"] = "split"
-    """When a later prompt no longer token-matches an earlier output: `split` opens a new segment and loses
-    no sampled token; `repair` masks or drops the unstitched tail."""
-    max_context_tokens: int | None = Field(None, gt=0)
-    """Longest prompt + completion of one turn; a prompt with no room left is a 400 `context_length_exceeded`.
-    None means the deployment's context length."""
-    request_timeout_s: FiniteFloat = Field(900.0, gt=0)
-    """Upper bound on each wait of one request: its turn in the session's queue, sampling, writing the reply."""
-    record_toolless: bool = True
-    """Record requests that offer no tools as turns. False treats them as auxiliary calls (titles, summaries):
-    answered, counted, never trained and never part of the session's history."""
-    report_trainer_cap_as: Literal["end_turn", "max_tokens"] = "end_turn"
-    """What the client hears when a reply is cut by a limit it did not ask for: `sampling.max_tokens` or the
-    context left. `end_turn` (Anthropic `end_turn`, OpenAI `stop`) keeps real agents running: Claude Code reads
-    `max_tokens` as its own output limit, asks three times to "resume directly" and exits 1, and the OpenAI SDK's
-    `.parse()` / `.stream()` helpers raise `LengthFinishReasonError`. The price: the agent takes a cut reply for
-    a finished one (a tool call cut in half arrives as text). `max_tokens` (OpenAI `length`) tells the truth and
-    lets an agent that handles it continue the reply. Either way the recorded turn keeps `finish_reason="length"`
-    for metrics and the reward, and a cut by the client's own smaller max_tokens is always reported as
-    `max_tokens` / `length`."""
-    unseen_content: Literal["refuse", "placeholder"] = "refuse"
-    """Image, document, audio and other non-text blocks (also inside tool results), which a text-only prompt
-    cannot carry. `refuse`: a 400 `invalid_request_error` naming the block and where it is, so the agent knows
-    the model never saw it. `placeholder`: replace each with `[<type> omitted]` and answer, as if it had."""
-    max_body_bytes: int | None = Field(None, gt=0)
-    """Largest request body accepted; a bigger one gets a 413 (before it is read, when its size is announced).
-    None derives it from the context: the most a prompt of `max_context_tokens` can take as JSON (each token the
-    tokenizer's longest, each byte a six-byte `\\uXXXX` escape), but at least 32 MiB, the Anthropic API's own
-    limit, so no body a real provider takes is refused. The shim's `/healthz` reports the limit in force."""
 
 
 # The names each registry holds; a policy loss is checked at construction instead, so that one

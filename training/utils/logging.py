@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from training.utils.jsonl import read_jsonl
+
 log = logging.getLogger("training")
 
 LEDGER_NAME = "metrics.jsonl"
@@ -143,15 +145,7 @@ def progress_line(step: int, total_steps: int | None, metrics: dict[str, Any]) -
 
 def read_ledger(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Every record of a ledger, skipping a line torn by a killed process."""
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                if line.strip():
-                    log.warning("skipping a torn line in %s: %.80s", path, line)
-    return records
+    return read_jsonl(path, skip_torn_lines=True)
 
 
 def _ends_with_newline(path: Path) -> bool:

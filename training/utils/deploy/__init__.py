@@ -3,42 +3,34 @@
 `start_deployment` is the one place that picks the kind: the embedded engine (a copy of the
 policy, `embedded.py`) or an external vLLM / SGLang / OpenAI-compatible server (`external.py`,
 README: Scaling out). Both return a `DeploymentHandle`: `sampler`, `weight_sync`, `base_url`,
-`model_name`, `version` and `close()`.
+`model_name`, `version`, `context_tokens`, `engine_stats()` and `close()`.
 """
 
 from __future__ import annotations
 
 from training.utils.config import DeploymentConfig
-from training.utils.deploy.completion import Completion, InvalidRequestError
+from training.utils.deploy.completion import Completion
 from training.utils.deploy.embedded import EmbeddedDeployment, engine_dtype, start_embedded_deployment
-from training.utils.deploy.engine import Engine, read_safetensors
+from training.utils.deploy.engine import Engine
 from training.utils.deploy.external import ExternalDeployment, connect_external_deployment
 from training.utils.deploy.sampler import Sampler
-from training.utils.deploy.server import InferenceServer
-from training.utils.deploy.weight_sync import DiskWeightSync, InProcessWeightSync, WeightSync, make_weight_sync
+from training.utils.deploy.weight_sync import DiskWeightSync
 from training.utils.lora import standalone_copy
 
 __all__ = [
     "Completion",
     "Deployment",
     "DiskWeightSync",
-    "EmbeddedDeployment",
     "Engine",
     "ExternalDeployment",
-    "InProcessWeightSync",
-    "InferenceServer",
-    "InvalidRequestError",
     "Sampler",
-    "WeightSync",
-    "connect_external_deployment",
     "engine_dtype",
-    "make_weight_sync",
-    "read_safetensors",
     "start_deployment",
     "start_embedded_deployment",
 ]
 
 Deployment = EmbeddedDeployment | ExternalDeployment
+"""What `start_deployment` returns; both kinds are `DeploymentHandle`s (`handle.py`)."""
 
 
 async def start_deployment(

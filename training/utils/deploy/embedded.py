@@ -37,6 +37,10 @@ class EmbeddedDeployment(DeploymentHandle):
         """Weight version the engine serves now."""
         return self.engine.version
 
+    def engine_stats(self) -> dict[str, float]:
+        """A snapshot of the engine's cumulative counters (`Engine.stats`), as floats."""
+        return {key: float(value) for key, value in self.engine.stats.copy().items()}
+
     async def _stop_server(self, timeout: float) -> None:
         try:
             # The engine thread (joined with a timeout): unfinished requests end with finish_reason
@@ -84,7 +88,7 @@ async def start_embedded_deployment(
     weight_sync.version = engine.version
     return EmbeddedDeployment(
         engine=engine, server=server, base_url=base_url, api_key=server.api_key, model_name=model_name, sampler=sampler,
-        weight_sync=weight_sync, owned_weight_dir=own_dir,
+        weight_sync=weight_sync, owned_weight_dir=own_dir, context_tokens=engine.max_context_tokens,
     )
 
 

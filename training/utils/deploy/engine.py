@@ -1,8 +1,9 @@
 """The embedded inference engine: continuous batching on its own thread, awaited from asyncio.
 
 One thread owns the model: it admits queued requests (`sequences.py`) into the running batch
-(prefilling only what the prefix cache does not hold, `prefix_cache.py`), runs one decode step
-for all rows, and applies weight updates between two steps. Why this is our
+(prefilling only what the prefix cache does not hold, `prefix_cache.py`; which requests and in how
+many forwards: `admission.py`), runs one decode step for all rows (`decode.py`, sampling in
+`next_token.py`), and applies weight updates between two steps (`engine_weights.py`). Why this is our
 own loop and not transformers' `ContinuousBatchingManager`, how the loop works, and its
 thread-safety rules: docs/engine-decode-loop.md.
 """
@@ -10,9 +11,7 @@ thread-safety rules: docs/engine-decode-loop.md.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -24,27 +23,21 @@ from pathlib import Path
 import torch
 
 from training.utils.config import DeploymentConfig
+from training.utils.deploy.admission import PREFILL_SPLIT_COST_TOKENS, admit, split_by_length
 from training.utils.deploy.completion import Completion
-from training.utils.deploy.decode import KVBatch, SamplingParams_B, sample_next, usable_prefix_lengths
+from training.utils.deploy.decode import KVBatch, usable_prefix_lengths
+from training.utils.deploy.engine_weights import WeightTargets, read_safetensors
 from training.utils.deploy.graphs import decode_steps_for
+from training.utils.deploy.next_token import SamplingParams_B, sample_next
 from training.utils.deploy.prefix_cache import PrefixCache
 from training.utils.deploy.sequences import SequenceGroup, SequenceState, make_group, sampling_params
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 
 logger = logging.getLogger(__name__)
 
-# Most padded prompt tokens (rows x longest prompt) prefilled in one forward, bounding the
-# memory of a prefill and the time decode rows wait for it; a single prompt always fits.
-_PREFILL_TOKEN_BUDGET = 32768
-# On CPU a forward costs about as much as this many extra prompt tokens (SmolLM2-135M, 1-2
-# threads: ~45 ms fixed, mostly reading the weights, + ~2.5 ms per token), so a prefill of
-# prompts of mixed lengths is split by length where that saves more padding than this per
-# extra forward (`_split_by_length`). Elsewhere a forward's fixed cost (kernel launches on a
-# GPU) dwarfs padding, and admitted prompts are prefilled in one forward.
-_PREFILL_SPLIT_COST_TOKENS = 32
 # An idle engine that receives a request waits while more keep arriving at most _BURST_GAP_S
 # apart, for at most _BURST_MAX_WAIT_S (`Engine._await_burst`): paid only when starting from
-# idle, and far below one CPU forward (>= 40 ms for SmolLM2-135M), the cost of a missed burst.
+# idle, and far below what a missed burst costs: a whole extra forward.
 _BURST_GAP_S = 0.005
 _BURST_MAX_WAIT_S = 0.02
 
@@ -87,8 +80,7 @@ class Engine:
         self.eos_token_ids: frozenset[int] = frozenset(
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
-        self._targets = self._weight_targets()
-        self._last_match: tuple[tuple, tuple[list[torch.Tensor], list[int]]] | None = None
+        self._weights = WeightTargets(self.model)
         self._version = 0
         # Shared with callers, guarded by `_wake`'s lock.
         self._wake = threading.Condition()
@@ -99,7 +91,7 @@ class Engine:
         self._batch: KVBatch | None = None
         self._rows: list[SequenceState] = []
         self._params_B: SamplingParams_B | None = None
-        self._split_cost_tokens = _PREFILL_SPLIT_COST_TOKENS if self.model.device.type == "cpu" else None
+        self._split_cost_tokens = PREFILL_SPLIT_COST_TOKENS if self.model.device.type == "cpu" else None
         self._prefix_cache = PrefixCache(cfg.prefix_cache_tokens) if cfg.prefix_cache_tokens else None
         # Cumulative; prompt_tokens = prefill_tokens + prefix_cache_hit_tokens (a request's prompt counts once).
         self.stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0, "weight_updates": 0,
@@ -185,7 +177,7 @@ class Engine:
             raise DeploymentError("update_weights was called from the engine thread; it would wait for itself")
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"update_weights: version must be an int, got {version!r}")
-        dst, src = self._match_weights(named_tensors)
+        dst, src = self._weights.match(named_tensors)
         job = _WeightUpdate(dst, src, version)
         with self._wake:
             if self._closing or not self._thread.is_alive():
@@ -256,7 +248,8 @@ class Engine:
                     if not self._rows and not self._updates:
                         self._await_burst()
                     update = self._update_to_apply()
-                    admitted = self._admissions() if not self._updates else []
+                    free = self.cfg.max_batch_requests - len(self._rows)
+                    admitted = admit(self._pending, free) if not self._updates else []
                 try:
                     if update is not None:
                         self._apply_update(update)
@@ -300,25 +293,6 @@ class Engine:
             return None  # wait for in-flight rows; admissions are held meanwhile
         return self._updates.popleft()
 
-    def _admissions(self) -> list[SequenceState]:
-        free = self.cfg.max_batch_requests - len(self._rows)
-        admitted: list[SequenceState] = []
-        groups: list[SequenceGroup] = []
-        longest = 0
-        while self._pending and len(admitted) < free:
-            seq = self._pending[0]
-            if seq.group.cancelled:
-                self._pending.popleft()
-                continue
-            if seq.group not in groups:
-                cost = (len(groups) + 1) * max(longest, len(seq.group.prompt_ids))
-                if groups and cost > _PREFILL_TOKEN_BUDGET:
-                    break
-                groups.append(seq.group)
-                longest = max(longest, len(seq.group.prompt_ids))
-            admitted.append(self._pending.popleft())
-        return admitted
-
     def _timed(self, key: str, step, *args) -> None:
         start = time.perf_counter()
         step(*args)  # a step ends with sampling's host sync, so on a GPU this is its device time too
@@ -355,7 +329,7 @@ class Engine:
                      for gs in groups_U]
         # Longest remainders first: the later, shorter forwards then fit the batch's width in place.
         new_U = [len(gs[0].prompt_ids) - m for gs, (_, m) in zip(groups_U, matches_U)]
-        for chunk in _split_by_length(new_U, self._split_cost_tokens):
+        for chunk in split_by_length(new_U, self._split_cost_tokens):
             members = {g for i in chunk for g in groups_U[i]}
             self._prefill_chunk([groups_U[i] for i in chunk], [matches_U[i] for i in chunk],
                                 [seq for seq in admitted if seq.group in members])
@@ -486,93 +460,3 @@ class Engine:
         for job in updates:
             job.error = DeploymentError("the engine closed before the weight update was applied")
             job.done.set()
-
-    # ------------------------------------------------------------------ weights
-
-    def _weight_targets(self) -> dict[str, torch.Tensor]:
-        """state_dict name -> the tensor to copy into; tied aliases all point at one tensor."""
-        return {name: t.detach() for name, t in self.model.state_dict(keep_vars=True).items()}
-
-    def _match_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> tuple[list, list]:
-        """(engine tensors, given tensors) to copy pairwise, each name checked against the engine's model.
-
-        A trainer sends the same names and shapes every time, so the last call's checks are reused
-        when they match: on a GPU checking 300 names costs more than copying a small model.
-        """
-        given = list(named_tensors.items())
-        key = tuple((name, tensor.shape) for name, tensor in given)
-        if self._last_match is None or self._last_match[0] != key:
-            self._last_match = (key, self._pair_weights(given))
-        dst, used = self._last_match[1]
-        return dst, [given[i][1] for i in used]  # copied under no_grad: no detach needed
-
-    def _pair_weights(self, given: list[tuple[str, torch.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
-        """The engine tensor for each given name, and the positions of the given tensors to copy from."""
-        dst, used, seen = [], [], set()
-        for index, (name, tensor) in enumerate(given):
-            target = self._targets.get(name)
-            if target is None:
-                raise ValueError(
-                    f"update_weights: {name!r} is not in the engine model's state_dict "
-                    f"(e.g. {next(iter(self._targets))!r}); send the policy's state_dict() names"
-                )
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's has {tuple(target.shape)}"
-                )
-            if target.data_ptr() in seen:  # tied weights: one copy is enough
-                continue
-            seen.add(target.data_ptr())
-            dst.append(target)
-            used.append(index)
-        if not dst:
-            raise ValueError("update_weights: no tensors given")
-        return dst, used
-
-
-def read_safetensors(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors file, or of a directory (model.safetensors, a sharded index, or *.safetensors)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if path.is_file():
-        files = [path]
-    elif (path / "model.safetensors").is_file():
-        files = [path / "model.safetensors"]
-    elif (path / "model.safetensors.index.json").is_file():
-        weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
-    else:
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights at {path} (expected a file or a directory holding them)")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f), device=str(device)))
-    return tensors
-
-
-def _split_by_length(lengths: list[int], forward_cost: int | None) -> list[list[int]]:
-    """Partition prompts (by index) into prefill forwards, longest first, minimizing padded tokens + forwards.
-
-    A forward is left-padded to its longest prompt, so it costs (prompts x longest) tokens,
-    plus `forward_cost` tokens for the forward itself; None = always one forward. Sorted by
-    length, the best partition is into contiguous runs, found by dynamic programming over the
-    run boundaries (O(n^2) for n prompts, at most `max_batch_requests`).
-    """
-    if forward_cost is None or len(lengths) < 2:
-        return [list(range(len(lengths)))]
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
-    n = len(order)
-    cost = [0] + [math.inf] * n  # cost[j]: cheapest prefill of the j longest prompts
-    start = [0] * (n + 1)  # start[j]: where the last forward of that prefill starts
-    for j in range(1, n + 1):
-        for i in range(j):
-            c = cost[i] + forward_cost + (j - i) * lengths[order[i]]
-            if c < cost[j]:
-                cost[j], start[j] = c, i
-    chunks, j = [], n
-    while j > 0:
-        chunks.append(order[start[j] : j])
-        j = start[j]
-    return chunks[::-1]

@@ -7,7 +7,9 @@
     await deployment.close()
 
 The returned `ExternalDeployment` has the fields the recipes use from `EmbeddedDeployment`
-(`sampler`, `weight_sync`, `base_url`, `model_name`, `version`, `close`). Start-up fails with an
+(`sampler`, `weight_sync`, `base_url`, `model_name`, `version`, `context_tokens`, `close`); its
+`context_tokens` is the `max_model_len` the server lists for the model at `/v1/models` (vLLM and SGLang
+do), and `engine_stats()` is {}. Start-up fails with an
 error naming the URL when the server does not answer its health check within
 `cfg.connect_timeout_s`, when it does not serve the model, when the kind's own check fails, or
 when its weight-update endpoints are missing; it does not fail later, in the middle of a run.
@@ -95,7 +97,7 @@ async def connect_external_deployment(
     base_url = cfg.base_url.rstrip("/")
     await _wait_until_healthy(cfg.kind, base_url, kind.health_path, cfg.api_key, cfg.connect_timeout_s)
     async with AdminClient(base_url, cfg.api_key, cfg.connect_timeout_s) as admin:
-        model_name = await _served_model(admin, model_name)
+        model_name, context_tokens = await _served_model(admin, model_name)
         sampler = Sampler(base_url, model_name, api_key=cfg.api_key, timeout_s=sampling_timeout_s,
                           tokenizer=tokenizer, protocol=kind.protocol)
         try:
@@ -107,7 +109,7 @@ async def connect_external_deployment(
             raise
     return ExternalDeployment(
         kind=cfg.kind, base_url=base_url, api_key=cfg.api_key, model_name=model_name, sampler=sampler,
-        weight_sync=weight_sync, owned_weight_dir=own_dir,
+        weight_sync=weight_sync, owned_weight_dir=own_dir, context_tokens=context_tokens,
     )
 
 
@@ -166,16 +168,26 @@ async def _wait_until_healthy(
             delay = min(2.0, delay * 2)
 
 
-async def _served_model(admin: AdminClient, requested: str) -> str:
+async def _served_model(admin: AdminClient, requested: str) -> tuple[str, int | None]:
+    """The model requests name (`requested` when the server serves it, else the one model it serves), and the
+    context length the server lists for that model (None when it lists none)."""
     data = await admin.get("/v1/models")
     try:
         served = [m["id"] for m in data["data"]]
     except (KeyError, TypeError) as e:
         raise DeploymentError(f"GET {admin.base_url}/v1/models gave a malformed model list ({e!r})") from None
     if requested in served:
-        return requested
-    if len(served) == 1:
+        name = requested
+    elif len(served) == 1:
         logger.info("%s serves %r; requests name it instead of %r", admin.base_url, served[0], requested)
-        return served[0]
-    raise DeploymentError(f"{admin.base_url} serves {served}, not {requested!r}: start it with the model the "
-                          "trainer loads (or --served-model-name with that name)")
+        name = served[0]
+    else:
+        raise DeploymentError(f"{admin.base_url} serves {served}, not {requested!r}: start it with the model the "
+                              "trainer loads (or --served-model-name with that name)")
+    return name, _context_length(data["data"][served.index(name)])
+
+
+def _context_length(model: dict) -> int | None:
+    """A `/v1/models` entry's `max_model_len` (vLLM's and SGLang's field) when it is a positive int, else None."""
+    length = model.get("max_model_len")
+    return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None

@@ -1,8 +1,8 @@
 """Decode steps with static shapes, captured in CUDA graphs and replayed over a `KVBatch`.
 
-Why: on an H100 an eager decode step of a 135M model is bound by kernel launches (~0.1 s
-for a few hundred launches from Python), whatever the batch size. A captured step launches
-once. A graph fixes every shape and address it touches, so a step here:
+Why: on a GPU an eager decode step of a small model is bound by kernel launches (a few hundred
+from Python per step), whatever the batch size. A captured step launches once. A graph fixes
+every shape and address it touches, so a step here:
 - runs `r` rows, the live rows rounded up to a power of two (rows past the live ones
   compute a throwaway token), and attends over `c` columns, L + 1 rounded up to a power of
   two: one graph per (r, c), captured the first time it is needed;

@@ -1,5 +1,6 @@
 """What every deployment hands the recipes, embedded or external: `base_url`, `api_key`, `model_name`,
-`sampler`, `weight_sync`, `version` and `close()`, and the temporary weight directory it may own."""
+`sampler`, `weight_sync`, `version`, `context_tokens`, `engine_stats()` and `close()`, and the temporary
+weight directory it may own."""
 
 from __future__ import annotations
 
@@ -23,11 +24,18 @@ class DeploymentHandle:
     `deployment.api_key` is set); for clients of the library's own making, never an agent's."""
     owned_weight_dir: Path | None = field(default=None, repr=False)
     """A directory for disk-synced weights that the deployment created, removed at `close`."""
+    context_tokens: int | None = None
+    """The longest context (prompt + completion tokens) the deployment serves; None when it does not say."""
 
     @property
     def version(self) -> int:
         """Weight version served now (the last successful sync)."""
         return self.weight_sync.version
+
+    def engine_stats(self) -> dict[str, float]:
+        """The engine's cumulative counters (`Engine.stats`: `prompt_tokens`, `prefill_tokens`,
+        `prefix_cache_hit_tokens`, `prefill_time_s`, `decode_time_s`, ...); {} where the deployment reports none."""
+        return {}
 
     async def close(self, timeout: float = 30.0) -> None:
         """Shut down in dependency order, each step even if an earlier one failed: the clients

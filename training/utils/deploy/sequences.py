@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from training.utils.deploy.completion import Completion, InvalidRequestError
-from training.utils.deploy.decode import SamplingParams_B
+from training.utils.deploy.next_token import SamplingParams_B
 
 _MAX_N = 1024
 

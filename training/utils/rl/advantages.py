@@ -1,9 +1,12 @@
 """Advantage estimators: one advantage per run, from the rewards of its group.
 
-Input is the batch as `rewards_P_G`: one list of run rewards per prompt group (row).
-`compute_advantages(rewards_P_G, estimator)` returns the advantages of the groups it
-keeps, in input order, and counts the groups it drops by reason, so no group vanishes
-without a metric.
+Two questions, asked at two moments:
+- `untrainable_reason(runs, estimator)`, when a row settles: can its group train at all? A
+  group with no runs cannot, nor a single run under an estimator that needs a group baseline;
+  the reason is counted, so no group vanishes without a metric.
+- `compute_advantages(rewards_P_G, estimator)`, where a chunk of groups trains (the one place
+  advantages are computed): one list of advantages per group, from the rewards as shaped there
+  (KL in the reward, overlong penalty), whitened over those groups by `reinforce_pp_baseline`.
 
 Estimators (R a run's reward, mean/std over its group):
 - `grpo`: (R − mean) / (std + 1e-8), std < 1e-8 treated as 1, so a constant group gives zeros.
@@ -22,25 +25,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from training.utils.errors import ConfigError
 
 STD_EPS = 1e-8
-
-
-@dataclass
-class AdvantageResult:
-    """Advantages of the kept groups and a count of the dropped ones."""
-
-    advantages_P_G: list[list[float]] = field(default_factory=list)
-    """One list per kept group, same length and order as its rewards."""
-    kept_indices: list[int] = field(default_factory=list)
-    """Input row index of each entry of `advantages_P_G`."""
-    dropped_indices: list[int] = field(default_factory=list)
-    """Input row index of each dropped group."""
-    dropped: dict[str, int] = field(default_factory=dict)
-    """Dropped groups counted by reason: `empty_group`, `singleton_group`."""
 
 
 def _mean(xs: list[float]) -> float:
@@ -103,28 +92,30 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
 }
 
 
-def compute_advantages(rewards_per_run: list[list[float]], estimator: str) -> AdvantageResult:
-    """Per-run advantages for each group of `rewards_per_run` (the batch, one reward list per row).
-
-    Groups with no runs are dropped as `empty_group`; groups with one run are dropped as
-    `singleton_group` by every estimator that needs a group baseline (all but `reinforce`).
-    """
+def estimator_named(estimator: str) -> AdvantageEstimator:
     est = ADVANTAGE_ESTIMATORS.get(estimator)
     if est is None:
         raise ConfigError(f"unknown advantage_estimator {estimator!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}")
-    result = AdvantageResult()
-    for p, rewards_G in enumerate(rewards_per_run):
-        reason = None
-        if len(rewards_G) == 0:
-            reason = "empty_group"
-        elif len(rewards_G) == 1 and est.needs_baseline:
-            reason = "singleton_group"
-        if reason is not None:
-            result.dropped_indices.append(p)
-            result.dropped[reason] = result.dropped.get(reason, 0) + 1
-            continue
-        result.kept_indices.append(p)
-        result.advantages_P_G.append(est.per_group(list(rewards_G)))
-    if est.whiten_batch:
-        result.advantages_P_G = _whiten_batch(result.advantages_P_G)
-    return result
+    return est
+
+
+def untrainable_reason(runs: int, estimator: str) -> str | None:
+    """Why a group of `runs` runs cannot train under `estimator` (`empty_group`; `singleton_group` for every
+    estimator that needs a group baseline, all but `reinforce`), or None when it can."""
+    if runs == 0:
+        return "empty_group"
+    if runs == 1 and estimator_named(estimator).needs_baseline:
+        return "singleton_group"
+    return None
+
+
+def compute_advantages(rewards_P_G: list[list[float]], estimator: str) -> list[list[float]]:
+    """Per-run advantages of each group of `rewards_P_G` (one reward list per group, every group trainable:
+    `untrainable_reason` is None), in the same shape."""
+    est = estimator_named(estimator)
+    for rewards_G in rewards_P_G:
+        if (reason := untrainable_reason(len(rewards_G), estimator)) is not None:
+            raise ValueError(f"a group of {len(rewards_G)} runs cannot train under {estimator!r} ({reason}); "
+                             "untrainable_reason decides that when its row settles")
+    advantages_P_G = [est.per_group(list(rewards_G)) for rewards_G in rewards_P_G]
+    return _whiten_batch(advantages_P_G) if est.whiten_batch else advantages_P_G

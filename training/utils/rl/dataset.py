@@ -17,16 +17,7 @@ from typing import Any
 import numpy as np
 
 from training.utils.errors import ConfigError
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """One row per non-blank line."""
-    return parse_json_lines(Path(path).read_text())
-
-
-def parse_json_lines(text: str) -> list[Any]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
+from training.utils.jsonl import read_jsonl, write_jsonl
 
 ROW_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -42,11 +33,12 @@ def read_rows_file(path: str | Path) -> list[dict[str, Any]]:
     if suffix == ".parquet":
         return _read_parquet(path)
     text = path.read_text()
-    try:
-        return json.loads(text) if suffix == ".json" and text.lstrip().startswith("[") else parse_json_lines(text)
-    except json.JSONDecodeError as error:
-        expected = "one JSON object per line" if suffix == ".jsonl" else "a JSON array of objects, or one per line"
-        raise ConfigError(f"dataset file {path} does not hold {expected}: {error.msg}") from error
+    if suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"dataset file {path} does not hold a JSON array of objects: {error.msg}") from error
+    return read_jsonl(path)
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
@@ -79,13 +71,6 @@ def check_rows(rows: list[Any]) -> None:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ConfigError(f"rows[{i}] is {type(row).__name__}; every dataset row must be a dict")
-
-
-def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
-    """One row per line; creates the parent directory."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 @dataclass(frozen=True)

@@ -1,29 +1,32 @@
-"""From settled rows to packed `PromptGroup`s, and the rollout metrics of a batch.
+"""From a row's finished draws to a settled row and its group, and the rollout metrics of a batch.
 
-A row is settled when all G draws returned or dropped (and any retries ran). Rows with
-enough surviving runs get advantages over the batch (`reinforce_pp_baseline` whitens
-across it), then `dynamic_filter_fn` may reject accepted groups.
-
-Reward shaping that needs the trainer (the KL to the reference, `kl_placement="reward"`) or
-the config (`overlong_penalty`) happens where a chunk trains: `reshape_advantages` regroups
-its datums into runs and groups (each is a `RunDatum` linked to its group's raw rewards) and
-recomputes their advantages from the shaped rewards. The groups themselves, and so
-`dynamic_filter_fn` and the `rollout/*` metrics, keep the raw rewards.
+A row is settled when all G draws of an attempt returned or dropped. `settle_attempt` is the one
+rule both recipes apply: enough surviving runs settle the row; too few re-run all G draws while
+retries are left, then reject it as `INCOMPLETE`. A settled row becomes a `PromptGroup` unless its
+estimator cannot train it (one run and no baseline) or `dynamic_filter_fn` rejects it
+(`group_of`). Advantages are not computed here: they need the rewards as shaped where the chunk
+trains (`train_step.BatchUpdate`), so the groups, the filter and the `rollout/*` metrics see raw
+rewards.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from training.utils.rl.advantages import compute_advantages
+from training.utils.rl.advantages import untrainable_reason
+from training.utils.rl.dataset import RowItem
+from training.utils.rl.rollout.invoke import DrawResult
 from training.utils.rl.rollout.types import PromptGroup, RolloutRun, make_prompt_group
 from training.utils.rl.telemetry import inference_drift_metrics
-from training.utils.trainer import Datum
+
+INCOMPLETE = "incomplete"
+"""Why a row is rejected when too few of its draws survived every attempt."""
+ACCEPTED = "accepted"
 
 
 @dataclass
@@ -36,129 +39,36 @@ class SettledRow:
     drop_reasons: Counter = field(default_factory=Counter)
     attempts: int = 1
     rejected: bool = False
-    """Too few runs survived even after the retries."""
+    """Too few runs survived even after the retries (`INCOMPLETE`); `runs_G` holds the last attempt's."""
     submit_version: int = 0
 
 
-@dataclass(eq=False)
-class GroupRewards:
-    """One group's raw run rewards, shared by all of its datums (`RunDatum.group`)."""
-
-    rewards_G: list[float]
-
-
-@dataclass
-class RunDatum(Datum):
-    """A `Datum` that knows its group and run, so that the trainer can regroup a chunk's datums and recompute
-    their advantages from rewards only it can shape (`reshape_advantages`). `build_groups` packs these."""
-
-    group: GroupRewards | None = None
-    run_index: int = 0
-    """The run's index in `group.rewards_G`."""
+def settle_attempt(item: RowItem, results_G: list[DrawResult], *, attempt: int, earlier_drops: Counter,
+                   submit_version: int, min_group_size: int, max_retries: int) -> tuple[SettledRow | None, Counter]:
+    """The row after the G draws of its `attempt`-th attempt, and the drops of all its attempts so far. The row
+    is settled with its surviving runs; None when too few survived and a retry is left (re-run all G draws,
+    carrying the drops); settled as rejected after the last retry."""
+    drops = earlier_drops + Counter(r.drop_reason for r in results_G if r.drop_reason is not None)
+    runs_G = [r.run for r in results_G if r.run is not None]
+    incomplete = len(runs_G) < min_group_size
+    if incomplete and attempt <= max_retries:
+        return None, drops
+    return SettledRow(item.row_id, item.row, runs_G, drops, attempt, rejected=incomplete,
+                      submit_version=submit_version), drops
 
 
-def link_runs(group: PromptGroup) -> list[RunDatum]:
-    """The group's datums (one per segment, run by run) as `RunDatum`s linked to its raw rewards."""
-    rewards = GroupRewards(list(group.rewards_G))
-    run_of_D = [g for g, run in enumerate(group.runs_G) for _ in run.segments]
-    return [RunDatum(**vars(d), group=rewards, run_index=g) for d, g in zip(group.datums, run_of_D, strict=True)]
-
-
-def build_groups(
-    settled_P: list[SettledRow],
-    estimator: str,
-    dynamic_filter_fn: Callable[[PromptGroup], bool] | None,
-) -> tuple[list[PromptGroup], Counter]:
-    """Advantages over the batch, then the user's filter. Returns groups and counts by outcome."""
-    counts: Counter = Counter()
-    candidates = [s for s in settled_P if not s.rejected]
-    counts["rejected_incomplete"] = len(settled_P) - len(candidates)
-    result = compute_advantages([[run.reward for run in s.runs_G] for s in candidates], estimator)
-    for reason, n in result.dropped.items():
-        counts[f"dropped_{reason}"] += n
-    groups = []
-    for i, advantages_G in zip(result.kept_indices, result.advantages_P_G):
-        s = candidates[i]
-        group = make_prompt_group(s.row_id, s.runs_G, list(advantages_G), row=s.row, submit_version=s.submit_version)
-        group.datums = link_runs(group)
-        if dynamic_filter_fn is not None and not dynamic_filter_fn(group):
-            counts["filtered"] += 1
-            continue
-        groups.append(group)
-    counts["accepted"] = len(groups)
-    return groups, counts
-
-
-def overlong_penalty(length: float, max_length: int, buffer: int) -> float:
-    """DAPO's overlong shaping: min(0, max(−1, ((L_max − L_cache) − L) / L_cache)), L_max max_length, L_cache buffer."""
-    return min(0.0, max(-1.0, (max_length - buffer - length) / buffer))
-
-
-@dataclass
-class Reshaped:
-    """`reshape_advantages`' result: the datums with their run's new advantage, and the shaping per run."""
-
-    datums_D: list[Datum]
-    kl_penalty_R: list[float]
-    """β·KL subtracted from each run's reward (empty without `kl_D`)."""
-    overlong_R: list[float]
-    """`overlong_penalty` added to each run's reward (empty without `overlong`)."""
-
-
-def reshape_advantages(
-    datums_D: list[Datum],
-    estimator: str,
-    *,
-    kl_D: list[float] | None = None,
-    kl_beta: float = 0.0,
-    overlong: tuple[int, int] | None = None,
-) -> Reshaped:
-    """The advantages of the groups `datums_D` holds, again, from each run's shaped reward
-
-        r' = r + overlong_penalty(L, *overlong) − kl_beta · Σ kl_D
-
-    L the run's trained tokens and the sum over its datums (`kl_D`: one KL sum per datum). Every
-    run of each group must be among `datums_D` (a chunk trains whole groups); an estimator that
-    whitens does so over these groups. The datums are copies: the groups' own keep their advantages.
-    """
-    runs: dict[tuple[int, int], list[int]] = {}
-    groups: dict[int, GroupRewards] = {}
-    for i, datum in enumerate(datums_D):
-        if not isinstance(datum, RunDatum) or datum.group is None:
-            raise ValueError(f"datum {i} does not say its group and run; shaping rewards on the trainer "
-                             "(kl_placement='reward', overlong_penalty) needs the datums of build_groups' groups")
-        groups.setdefault(id(datum.group), datum.group)
-        runs.setdefault((id(datum.group), datum.run_index), []).append(i)
-    rewards_P_G, kl_penalty_R, overlong_R = [], [], []
-    for key, group in groups.items():
-        shaped_G = []
-        for g, reward in enumerate(group.rewards_G):
-            if (key, g) not in runs:
-                raise ValueError(f"run {g} of a group of {len(group.rewards_G)} is not among the datums; its group's "
-                                 "advantages need every run's reward")
-            indices = runs[key, g]
-            if kl_D is not None:
-                kl_penalty_R.append(kl_beta * sum(kl_D[i] for i in indices))
-                reward -= kl_penalty_R[-1]
-            if overlong is not None:
-                overlong_R.append(overlong_penalty(sum(sum(datums_D[i].weights) for i in indices), *overlong))
-                reward += overlong_R[-1]
-            shaped_G.append(reward)
-        rewards_P_G.append(shaped_G)
-    result = compute_advantages(rewards_P_G, estimator)
-    if result.dropped:  # build_groups dropped these already, so a kept group cannot be dropped now
-        raise ValueError(f"advantage_estimator={estimator!r} drops groups {result.dropped} that build_groups kept")
-    advantage_of = {(key, g): a for key, advantages_G in zip(groups, result.advantages_P_G)
-                    for g, a in enumerate(advantages_G)}
-    return Reshaped(
-        [replace(d, advantage=advantage_of[id(d.group), d.run_index]) for d in datums_D],
-        kl_penalty_R, overlong_R,
-    )
-
-
-def count_runs(datums_D: list[Datum]) -> int:
-    """Runs among `datums_D` (a datum that says no run counts as one)."""
-    return len({(id(d.group), d.run_index) if isinstance(d, RunDatum) and d.group else id(d) for d in datums_D})
+def group_of(settled: SettledRow, estimator: str,
+             dynamic_filter_fn: Callable[[PromptGroup], bool] | None) -> tuple[PromptGroup | None, str]:
+    """The settled row's group and `ACCEPTED`, or None and why not: `INCOMPLETE`, `dropped_<reason>` when
+    the estimator cannot train it (`advantages.untrainable_reason`), or `filtered` by the user's filter."""
+    if settled.rejected:
+        return None, INCOMPLETE
+    if (reason := untrainable_reason(len(settled.runs_G), estimator)) is not None:
+        return None, f"dropped_{reason}"
+    group = make_prompt_group(settled.row_id, settled.runs_G, row=settled.row, submit_version=settled.submit_version)
+    if dynamic_filter_fn is not None and not dynamic_filter_fn(group):
+        return None, "filtered"
+    return group, ACCEPTED
 
 
 def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], counts: Counter) -> dict[str, float]:
@@ -185,8 +95,8 @@ def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], coun
     metrics["rollout/draws_dropped"] = float(sum(drops.values()))
     for reason, n in drops.items():
         metrics[f"rollout/drop_{reason}"] = float(n)
-    metrics["rollout/groups_accepted"] = float(counts["accepted"])
-    metrics["rollout/groups_rejected"] = float(sum(v for k, v in counts.items() if k != "accepted"))
+    metrics["rollout/groups_accepted"] = float(counts[ACCEPTED])
+    metrics["rollout/groups_rejected"] = float(sum(v for k, v in counts.items() if k != ACCEPTED))
     metrics["rollout/retries"] = float(sum(s.attempts - 1 for s in settled_P))
     return metrics | inference_drift_metrics(runs) | shim_metrics(runs)
 

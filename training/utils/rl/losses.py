@@ -4,17 +4,19 @@ Notation per token (README: Policy losses): `π` current logprob (carries the gr
 anchor logprob, `μ` sampler logprob, `π_ref` reference logprob, `A` advantage,
 `r = exp(π − π_old)` with the log-ratio clamped to ±20 before `exp`, `sg` stop-gradient.
 
-`compute_policy_loss(name, ...)` is the one entry point. It
+`compute_policy_loss(spec, batch)` is the one entry point: `LossSpec` says how the loss is
+computed (the loss's name and settings, aggregation, KL, TIS, entropy bonus; built and checked
+once per batch), `LossBatch` holds one micro-batch's tensors. It
 
 1. sanitises the inputs: every padded/untrained position is replaced by 0 with
    `torch.where`, so an inf or NaN there never reaches the loss or the gradient;
 2. calls the registered loss (`POLICY_LOSSES[name].fn`), which returns a per-token loss;
-3. applies the train-inference correction (TIS weight, IcePop and seq-mask filters) to
-   that policy-gradient term only;
+3. applies the train-inference correction (TIS weight, IcePop and seq-mask filters,
+   `loss_corrections.py`) to that policy-gradient term only;
 4. adds `kl_beta · KL(π ‖ π_ref)` as a second per-token term, and subtracts the entropy bonus
    `entropy_coef · H` as a third (H must then carry π's gradient);
-5. aggregates the terms with `LOSS_AGG_MODES[loss_agg_mode].reduce` and returns
-   `(loss, metrics)`, metrics being detached tensors (no host sync here).
+5. aggregates the terms with `LOSS_AGG_MODES[loss_agg_mode].reduce` (`loss_aggregation.py`) and
+   returns `(loss, metrics)`, metrics being detached tensors (no host sync here).
 
 A registered loss is a pure function `fn(inp: LossInputs, *, <its settings>) -> TokenLoss`;
 its keyword-only parameters are its settings (config fields of the same name, or
@@ -24,14 +26,17 @@ its keyword-only parameters are its settings (config fields of the same name, or
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from training.utils.errors import ConfigError
+from training.utils.rl.loss_aggregation import LOSS_AGG_MODES, LossAggregation, masked_mean
+from training.utils.rl.loss_corrections import train_inference_correction
 
 if TYPE_CHECKING:  # the config imports this registry to validate names, so no runtime import back
     from training.utils.config import TISConfig
@@ -72,55 +77,6 @@ class TokenLoss:
     """(B, T) bool, True where the ratio clip decided the loss (the token has no gradient from it)."""
     dual_clipped: Tensor | None = None
     """(B, T) bool, True where the dual clip (A < 0) decided the loss."""
-
-
-# ---------------------------------------------------------------------------------------
-# Aggregation: (B, T) per-token values -> scalar.
-
-
-def _token_mean(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm) -> Tensor:
-    if num_tokens is None:
-        num_tokens = mask.sum().clamp(min=1)
-    return torch.where(mask, x, 0.0).sum() / num_tokens
-
-
-def _seq_mean_token_mean(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm) -> Tensor:
-    per_seq_B = torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
-    return per_seq_B.sum() / (x.shape[0] if num_seqs is None else num_seqs)
-
-
-def _seq_mean_token_sum_norm(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm) -> Tensor:
-    norm = x.shape[1] if seq_token_sum_norm is None else seq_token_sum_norm
-    per_seq_B = torch.where(mask, x, 0.0).sum(-1) / norm
-    return per_seq_B.sum() / (x.shape[0] if num_seqs is None else num_seqs)
-
-
-def _sum(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm) -> Tensor:
-    return torch.where(mask, x, 0.0).sum()
-
-
-@dataclass(frozen=True)
-class LossAggregation:
-    """How per-token losses become one number, and what that number is divided by over a whole batch."""
-
-    reduce: Callable[..., Tensor]
-    """`reduce(x, mask, num_tokens, num_seqs, seq_token_sum_norm) -> scalar`."""
-    batch_denominator: Callable[[float, int], float]
-    """`(trained tokens, sequences) -> d`: with num_tokens = num_seqs = 1 a batch's reduced losses add up
-    to a sum, and that sum / d is the loss over the batch (how chunked training normalises at the end)."""
-
-
-LOSS_AGG_MODES: dict[str, LossAggregation] = {
-    "token_mean": LossAggregation(_token_mean, lambda tokens, seqs: max(tokens, 1.0)),
-    "seq_mean_token_mean": LossAggregation(_seq_mean_token_mean, lambda tokens, seqs: float(seqs)),
-    "seq_mean_token_sum_norm": LossAggregation(_seq_mean_token_sum_norm, lambda tokens, seqs: float(seqs)),
-    "sum": LossAggregation(_sum, lambda tokens, seqs: 1.0),
-}
-"""`token_mean`: Σ loss / num_tokens (num_tokens defaults to the mask count; pass the
-minibatch's count under gradient accumulation so micro-batch losses sum to the minibatch
-loss). `seq_mean_token_mean`: Σ_seq (mean over the sequence's tokens) / num_seqs (default B).
-`seq_mean_token_sum_norm`: Σ_seq (Σ over tokens / seq_token_sum_norm) / num_seqs, with
-seq_token_sum_norm default T (Dr. GRPO's constant normaliser). `sum`: Σ loss."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -305,7 +261,6 @@ def cispo_loss(inp: LossInputs, *, eps_clip: float = 0.2, eps_clip_high: float |
     return TokenLoss(-weight * inp.advantages * inp.logprobs, ratio, clipped)
 
 
-
 # ---------------------------------------------------------------------------------------
 # KL to the reference.
 
@@ -331,92 +286,100 @@ for k3, so the exp cannot overflow)."""
 
 
 # ---------------------------------------------------------------------------------------
-# Train-inference correction.
-
-
-@dataclass(frozen=True)
-class _Correction:
-    weight: Tensor
-    """(B, T) detached TIS weight (1 where TIS is off)."""
-    keep: Tensor
-    """(B, T) bool, False on tokens IcePop or seq-mask removed from the pg term."""
-    metrics: dict[str, Tensor]
-
-
-def _train_inference_correction(
-    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, tis: TISConfig
-) -> _Correction:
-    """w = clip(exp(π_old − μ), min_weight or 0, cap) per token or as the sequence geometric mean; IcePop and
-    seq-mask filters."""
-    log_rho = torch.where(mask, old_logprobs - rollout_logprobs, 0.0).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)
-    seq_log_rho_B = log_rho.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
-    raw = torch.exp(log_rho if tis.level == "token" else seq_log_rho_B.expand_as(log_rho))
-    weight = raw.clamp(min=tis.min_weight, max=tis.cap)
-    clipped = raw > tis.cap
-    if tis.min_weight is not None:
-        clipped = clipped | (raw < tis.min_weight)
-
-    keep = mask
-    icepop_out = torch.zeros_like(mask)
-    if tis.icepop_beta is not None:
-        rho = torch.exp(log_rho)
-        icepop_out = mask & ((rho < 1.0 / tis.icepop_beta) | (rho > tis.icepop_beta))
-        keep = keep & ~icepop_out
-    seq_out_B = torch.zeros_like(seq_log_rho_B, dtype=torch.bool)
-    seq_rho_B = torch.exp(seq_log_rho_B)
-    if tis.seq_mask_low is not None:
-        seq_out_B = seq_out_B | (seq_rho_B < tis.seq_mask_low)
-    if tis.seq_mask_high is not None:
-        seq_out_B = seq_out_B | (seq_rho_B > tis.seq_mask_high)
-    seq_out = mask & seq_out_B
-    keep = keep & ~seq_out
-
-    trained_B = mask.any(-1, keepdim=True)
-    metrics = {
-        "tis_weight_mean": _masked_mean(weight, mask),
-        "tis_clipfrac": _masked_mean(clipped, mask),
-        "icepop_maskfrac": _masked_mean(icepop_out, mask),
-        "tis_seq_maskfrac": _masked_mean(seq_out, mask),
-        # exp(mean_t(π_old − μ)) per sequence, averaged over the sequences with trained tokens.
-        "tis_seq_ratio": _masked_mean(seq_rho_B, trained_B),
-    }
-    return _Correction(weight.detach(), keep, metrics)
-
-
-# ---------------------------------------------------------------------------------------
 # Entry point.
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    x = x.detach().float()
-    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+@dataclass(frozen=True)
+class LossSpec:
+    """How the policy loss is computed: built once per batch, its names and settings checked here, once."""
+
+    name: str
+    """The loss, a name in `POLICY_LOSSES`."""
+    settings: Mapping[str, object]
+    """The loss's own settings: its keyword-only parameters (e.g. `eps_clip` for `grpo`); kept as a read-only copy."""
+    loss_agg_mode: str = "token_mean"
+    """How each term's per-token values become one number, a name in `LOSS_AGG_MODES`."""
+    seq_token_sum_norm: float | None = None
+    """`seq_mean_token_sum_norm`'s constant per-sequence normaliser; None means the batch's T."""
+    kl_beta: float = 0.0
+    """Weight of the KL-to-reference term; > 0 needs the batch's `ref_logprobs`."""
+    kl_estimator: str = "k3"
+    """The KL term's estimator, a name in `KL_ESTIMATORS`."""
+    tis: TISConfig | None = None
+    """The train-inference correction of the pg term; set, it needs the batch's `rollout_logprobs`."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus; ≠ 0 needs the batch's `entropy`, carrying π's gradient."""
+    loss: PolicyLoss = field(init=False, repr=False, compare=False)
+    """`POLICY_LOSSES[name]`, looked up once."""
+    aggregation: LossAggregation = field(init=False, repr=False, compare=False)
+    """`LOSS_AGG_MODES[loss_agg_mode]`, looked up once."""
+    kl: Callable[[Tensor, Tensor], Tensor] = field(init=False, repr=False, compare=False)
+    """`KL_ESTIMATORS[kl_estimator]`, looked up once."""
+
+    def __post_init__(self) -> None:
+        loss = POLICY_LOSSES.get(self.name)
+        if loss is None:
+            raise ConfigError(f"unknown policy_loss {self.name!r}; valid: {sorted(POLICY_LOSSES)}")
+        agg = LOSS_AGG_MODES.get(self.loss_agg_mode)
+        if agg is None:
+            raise ConfigError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; valid: {sorted(LOSS_AGG_MODES)}")
+        kl_fn = KL_ESTIMATORS.get(self.kl_estimator)
+        if kl_fn is None:
+            raise ConfigError(f"unknown kl_estimator {self.kl_estimator!r}; valid: {sorted(KL_ESTIMATORS)}")
+        if extra := set(self.settings) - set(loss.settings):
+            raise ConfigError(f"policy_loss {self.name!r} takes no settings {sorted(extra)}; "
+                              f"it takes {sorted(loss.settings)}")
+        object.__setattr__(self, "settings", MappingProxyType(dict(self.settings)))
+        object.__setattr__(self, "loss", loss)
+        object.__setattr__(self, "aggregation", agg)
+        object.__setattr__(self, "kl", kl_fn)
+
+
+@dataclass(frozen=True)
+class LossBatch:
+    """The tensors of one micro-batch, `(B, T)` unless said otherwise, as the trainer hands them over."""
+
+    logprobs: Tensor
+    """π, carrying the gradient."""
+    old_logprobs: Tensor
+    """π_old (detached here)."""
+    advantages: Tensor
+    """A: `(B,)`, one per sequence, or `(B, T)`."""
+    mask: Tensor
+    """Trained tokens: bool, or float with nonzero = trained."""
+    rollout_logprobs: Tensor | None = None
+    """μ, the sampler's logprobs; `tis` needs them."""
+    ref_logprobs: Tensor | None = None
+    """π_ref; `kl_beta` > 0 needs them, and given, `ref_kl` and `ref_kl_k1` are measured."""
+    entropy: Tensor | None = None
+    """H per token: a metric, and the bonus with `entropy_coef` ≠ 0 (which needs it to carry π's gradient)."""
+    num_tokens: float | Tensor | None = None
+    """`token_mean`'s normaliser: the minibatch's trained tokens under gradient accumulation; None counts `mask`."""
+    num_seqs: float | Tensor | None = None
+    """The `seq_mean_*` normaliser: the minibatch's sequences under gradient accumulation; None means B."""
 
 
 def _sanitise(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x.float(), 0.0)
 
 
-def compute_policy_loss(
-    name: str,
-    *,
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    rollout_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    entropy: Tensor | None = None,
-    loss_agg_mode: str = "token_mean",
-    num_tokens: float | Tensor | None = None,
-    num_seqs: float | Tensor | None = None,
-    seq_token_sum_norm: float | None = None,
-    kl_beta: float = 0.0,
-    kl_estimator: str = "k3",
-    tis: TISConfig | None = None,
-    entropy_coef: float = 0.0,
-    **settings,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Policy loss `name` over `(B, T)` tensors; returns (scalar loss, detached metric tensors).
+def _check_batch(spec: LossSpec, batch: LossBatch) -> None:
+    """What the spec needs from the batch, and the batch's shapes."""
+    if spec.kl_beta > 0 and batch.ref_logprobs is None:
+        raise ConfigError(f"kl_beta={spec.kl_beta} needs ref_logprobs; pass them or set kl_beta=0")
+    if spec.entropy_coef != 0 and batch.entropy is None:
+        raise ConfigError(f"entropy_coef={spec.entropy_coef} needs the per-token entropy, with π's gradient "
+                          "(Trainer.forward_backward(with_entropy=True) puts it in mb.extras['entropy'])")
+    if spec.tis is not None and batch.rollout_logprobs is None:
+        raise ConfigError("tis is set but rollout_logprobs is None; the correction needs the sampler's logprobs")
+    logprobs, old_logprobs, mask = batch.logprobs, batch.old_logprobs, batch.mask
+    if logprobs.dim() != 2 or logprobs.shape != mask.shape or old_logprobs.shape != mask.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
+                         f"and mask {tuple(mask.shape)} must all be the same (B, T)")
+
+
+def compute_policy_loss(spec: LossSpec, batch: LossBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy loss `spec.name` over one micro-batch; returns (scalar loss, detached metric tensors).
 
     loss = agg(pg_t · w_t · keep_t) + kl_beta · agg(KL_t) − entropy_coef · agg(H_t)
     where pg_t is `POLICY_LOSSES[name].fn`, w_t the TIS weight and keep_t the IcePop/seq-mask
@@ -425,9 +388,9 @@ def compute_policy_loss(
     the policy-gradient term only; the KL and entropy terms use the plain mask. With
     `entropy_coef` = 0 the entropy is a metric only and the loss is bit-identical to leaving it out.
 
-    `advantages` is `(B,)` (one per sequence) or `(B, T)`. `mask` is bool or float
-    (nonzero = trained). `**settings` are the loss's own settings (its keyword-only
-    parameters, e.g. `eps_clip` for `grpo`); one the loss does not take is a ConfigError.
+    The spec's names and settings were checked when it was built; what it needs from the batch
+    (`ref_logprobs` for kl_beta > 0, `entropy` for the bonus, `rollout_logprobs` for `tis`) and the
+    batch's shapes are checked here: a ConfigError, or a ValueError for shapes.
 
     Metrics are means over this call's masked tokens (`*_min`/`*_max` are extremes; inf/−inf
     on an empty mask), so a token-weighted mean over micro-batches is the minibatch's mean.
@@ -435,34 +398,17 @@ def compute_policy_loss(
     terms, equal to the loss's terms under `token_mean` with the default `num_tokens`, and
     independent of the aggregation mode and of `num_tokens` otherwise.
     """
-    loss = POLICY_LOSSES.get(name)
-    if loss is None:
-        raise ConfigError(f"unknown policy_loss {name!r}; valid: {sorted(POLICY_LOSSES)}")
-    agg = LOSS_AGG_MODES.get(loss_agg_mode)
-    if agg is None:
-        raise ConfigError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {sorted(LOSS_AGG_MODES)}")
-    kl_fn = KL_ESTIMATORS.get(kl_estimator)
-    if kl_fn is None:
-        raise ConfigError(f"unknown kl_estimator {kl_estimator!r}; valid: {sorted(KL_ESTIMATORS)}")
-    if extra := set(settings) - set(loss.settings):
-        raise ConfigError(f"policy_loss {name!r} takes no settings {sorted(extra)}; it takes {sorted(loss.settings)}")
-    if kl_beta > 0 and ref_logprobs is None:
-        raise ConfigError(f"kl_beta={kl_beta} needs ref_logprobs; pass them or set kl_beta=0")
-    if entropy_coef != 0 and entropy is None:
-        raise ConfigError(f"entropy_coef={entropy_coef} needs the per-token entropy, with π's gradient "
-                          "(Trainer.forward_backward(with_entropy=True) puts it in mb.extras['entropy'])")
-    if tis is not None and rollout_logprobs is None:
-        raise ConfigError("tis is set but rollout_logprobs is None; the correction needs the sampler's logprobs")
-    if logprobs.dim() != 2 or logprobs.shape != mask.shape or old_logprobs.shape != mask.shape:
-        raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
-                         f"and mask {tuple(mask.shape)} must all be the same (B, T)")
-
+    _check_batch(spec, batch)
     # 1. Sanitise: masked positions become 0 through torch.where, so inf/NaN there has no path
     #    to the loss and gets an exactly-zero gradient.
-    mask = mask.bool()
-    pi = _sanitise(logprobs, mask)
-    pi_old = _sanitise(old_logprobs.detach(), mask)
-    adv = advantages.detach()
+    mask = batch.mask.bool()
+
+    def agg(x: Tensor) -> Tensor:  # every term is aggregated alike, with the same normaliser
+        return spec.aggregation.reduce(x, mask, batch.num_tokens, batch.num_seqs, spec.seq_token_sum_norm)
+
+    pi = _sanitise(batch.logprobs, mask)
+    pi_old = _sanitise(batch.old_logprobs.detach(), mask)
+    adv = batch.advantages.detach()
     adv = adv.unsqueeze(-1).expand_as(mask) if adv.dim() == 1 else adv
     inp = LossInputs(
         logprobs=pi,
@@ -473,48 +419,49 @@ def compute_policy_loss(
     )
 
     # 2. The policy-gradient term.
-    out = loss.fn(inp, **settings)
+    out = spec.loss.fn(inp, **spec.settings)
     metrics: dict[str, Tensor] = {}
 
-    # 3. Train-inference correction.
+    # 3. Train-inference correction, from log ρ = π_old − μ (0 where untrained, clamped like every log-ratio).
     pg = out.loss
-    if tis is not None:
-        corr = _train_inference_correction(pi_old, _sanitise(rollout_logprobs.detach(), mask), mask, tis)
+    if spec.tis is not None:
+        mu = _sanitise(batch.rollout_logprobs.detach(), mask)
+        log_rho = torch.where(mask, pi_old - mu, 0.0).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)
+        corr = train_inference_correction(log_rho, mask, spec.tis)
         pg = torch.where(corr.keep, pg * corr.weight, 0.0)
         metrics.update(corr.metrics)
-    pg_loss = agg.reduce(pg, mask, num_tokens, num_seqs, seq_token_sum_norm)
+    pg_loss = agg(pg)
 
     # 4. KL to the reference, aggregated like the pg term.
     kl_loss = torch.zeros((), device=pi.device)
     metrics["kl_loss"] = torch.zeros((), device=pi.device)
-    if ref_logprobs is not None:
-        pi_ref = _sanitise(ref_logprobs.detach(), mask)
-        if kl_beta > 0:
-            kl_BT = kl_beta * kl_fn(pi, pi_ref)
-            kl_loss = agg.reduce(kl_BT, mask, num_tokens, num_seqs, seq_token_sum_norm)
-            metrics["kl_loss"] = _masked_mean(kl_BT, mask)
-        metrics["ref_kl"] = _masked_mean(_kl_k3(pi, pi_ref), mask)
-        metrics["ref_kl_k1"] = _masked_mean(_kl_k1(pi, pi_ref), mask)
+    if batch.ref_logprobs is not None:
+        pi_ref = _sanitise(batch.ref_logprobs.detach(), mask)
+        if spec.kl_beta > 0:
+            kl_BT = spec.kl_beta * spec.kl(pi, pi_ref)
+            kl_loss = agg(kl_BT)
+            metrics["kl_loss"] = masked_mean(kl_BT, mask)
+        metrics["ref_kl"] = masked_mean(_kl_k3(pi, pi_ref), mask)
+        metrics["ref_kl_k1"] = masked_mean(_kl_k1(pi, pi_ref), mask)
 
     # 5. Metrics: detached tensors, reduced by the trainer once per step.
     ratio = out.ratio.detach()
-    metrics["pg_loss"] = _masked_mean(pg, mask)
+    metrics["pg_loss"] = masked_mean(pg, mask)
     no_clip = torch.zeros((), device=pi.device)
-    metrics["pg_clipfrac"] = _masked_mean(out.clipped, mask) if out.clipped is not None else no_clip
+    metrics["pg_clipfrac"] = masked_mean(out.clipped, mask) if out.clipped is not None else no_clip
     if out.dual_clipped is not None:
-        metrics["dual_clipfrac"] = _masked_mean(out.dual_clipped, mask)
+        metrics["dual_clipfrac"] = masked_mean(out.dual_clipped, mask)
     # k3 estimate of KL(π_old ‖ π): exp(π − π_old) − (π − π_old) − 1, never negative (k1 is kept for comparison).
-    metrics["ppo_kl"] = _masked_mean(torch.exp(inp.log_ratio) - inp.log_ratio - 1.0, mask)
-    metrics["ppo_kl_k1"] = _masked_mean(pi_old - pi, mask)
-    metrics["ratio_mean"] = _masked_mean(ratio, mask)
+    metrics["ppo_kl"] = masked_mean(torch.exp(inp.log_ratio) - inp.log_ratio - 1.0, mask)
+    metrics["ppo_kl_k1"] = masked_mean(pi_old - pi, mask)
+    metrics["ratio_mean"] = masked_mean(ratio, mask)
     metrics["ratio_min"] = torch.where(mask, ratio, torch.inf).amin()
     metrics["ratio_max"] = torch.where(mask, ratio, -torch.inf).amax()
-    if entropy is None:
+    if batch.entropy is None:
         return pg_loss + kl_loss, metrics
-    entropy_BT = _sanitise(entropy, mask)
-    metrics["entropy"] = _masked_mean(entropy_BT, mask)
-    if entropy_coef == 0:  # no term at all, not a zero one: the loss stays bit-identical
+    entropy_BT = _sanitise(batch.entropy, mask)
+    metrics["entropy"] = masked_mean(entropy_BT, mask)
+    if spec.entropy_coef == 0:  # no term at all, not a zero one: the loss stays bit-identical
         return pg_loss + kl_loss, metrics
     # The entropy bonus (step 4), aggregated like the pg term; it moves π only if `entropy` carries π's gradient.
-    entropy_bonus = agg.reduce(entropy_BT, mask, num_tokens, num_seqs, seq_token_sum_norm)
-    return pg_loss + kl_loss - entropy_coef * entropy_bonus, metrics
+    return pg_loss + kl_loss - spec.entropy_coef * agg(entropy_BT), metrics

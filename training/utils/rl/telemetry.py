@@ -14,10 +14,10 @@ reported (a request that spans a weight sync has tokens of two versions).
 - `samples_per_s`: trained runs / step_time; `train_tokens_per_s`: trained tokens / train_time;
 - `train_tokens`: the trained datums' tokens (the trainer's own phase times come from `train_step.PHASES`).
 
-With the embedded deployment, its engine's counters since the previous step (`EngineCounters`):
+The deployment's engine counters since the previous step (`EngineCounters`, from `engine_stats()`):
 `prompt_tokens` (each request's prompt), `engine_prefill_tokens` (the part computed) and
 `prefix_cache_hit_tokens` (the part reused; the two add up to `prompt_tokens`), and the engine
-thread's `engine_prefill_time` / `engine_decode_time`. External servers report none of them.
+thread's `engine_prefill_time` / `engine_decode_time`. External servers report none of them, so none is logged.
 
 `rollout/inference_drift_k1|k3`: how far the distribution the engine sampled from (`logprobs`, μ)
 is from its raw one (`raw_logprobs`, before temperature and top-p/top-k; ρ), on the trained tokens
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from training.utils.deploy import Deployment, EmbeddedDeployment
+from training.utils.deploy import Deployment
 from training.utils.rl.rollout.types import PromptGroup, RolloutRun
 
 ENGINE_COUNTERS = {
@@ -40,7 +40,7 @@ ENGINE_COUNTERS = {
     "prefill_time_s": "perf/engine_prefill_time",
     "decode_time_s": "perf/engine_decode_time",
 }
-"""The embedded engine's cumulative `stats` keys -> the per-step metric of their increase."""
+"""The deployment's cumulative `engine_stats()` keys -> the per-step metric of their increase."""
 
 
 def version_offset_metrics(groups: list[PromptGroup], trained_against_version: int) -> dict[str, float]:
@@ -53,8 +53,8 @@ def version_offset_metrics(groups: list[PromptGroup], trained_against_version: i
     }
     token_offsets = [
         trained_against_version - v
-        for g in groups for d in g.datums if d.versions is not None
-        for v, w in zip(d.versions, d.weights) if w > 0 and v >= 0
+        for g in groups for run in g.runs_G for seg in run.segments if seg.versions is not None
+        for v, m in zip(seg.versions[1:], seg.loss_mask[1:]) if m > 0 and v >= 0
     ]
     if token_offsets:
         metrics["async/token_version_offset_mean"] = float(np.mean(token_offsets))
@@ -100,15 +100,16 @@ def inference_drift_metrics(runs: list[RolloutRun]) -> dict[str, float]:
 
 @dataclass
 class EngineCounters:
-    """Per-step increases of the embedded engine's counters (`ENGINE_COUNTERS`); the first step's count from
-    the engine's start, so they include the evaluation before it."""
+    """Per-step increases of the deployment's engine counters (`ENGINE_COUNTERS`); the first step's count from
+    the engine's start, so they include the evaluation before it. None for a deployment that reports none."""
 
     last: dict[str, float] = field(default_factory=dict)
 
     def step_metrics(self, deployment: Deployment) -> dict[str, float]:
-        if not isinstance(deployment, EmbeddedDeployment):
+        stats = deployment.engine_stats()
+        if not stats:
             return {}
-        now = {key: float(deployment.engine.stats[key]) for key in ENGINE_COUNTERS}
+        now = {key: float(stats[key]) for key in ENGINE_COUNTERS}
         metrics = {name: now[key] - self.last.get(key, 0.0) for key, name in ENGINE_COUNTERS.items()}
         self.last = now
         return metrics

@@ -1,14 +1,16 @@
-"""What both recipes do around their loop: start a run, resume it, end every step, finish, shut down.
+"""A run from its first step to its summary: the `TrainingRun` both recipes' loops drive, and their `main()`.
 
 A recipe is a `Config` and a loop, `async def loop(run: TrainingRun, ...)`, that trains steps
-`run.start_step + 1 ...` in its own way and ends each with `run.end_step(step, metrics)`.
-`recipe_main(loop, Config)` makes the recipe's `main()`, the same for both recipes:
+`run.start_step + 1 ...` in its own way and ends each with `run.end_step(step, metrics,
+resume_state)`, `resume_state` being what a checkpoint needs to continue from there besides the
+weights (the data cursor, ...). `recipe_main(loop, Config)` makes the recipe's `main()`, the
+same for both recipes:
 
-0. seeds; trainers (policy, reference); resume from the newest checkpoint, refused if the
-   settings it was written under changed (`resume.py`), or else a warm start (weights only);
-   the trainer thread; under torchrun the other ranks only follow rank 0's trainer calls; the
-   deployment, the ledger, the agent shim, the rollout setup and the user's rollout function;
-   evaluation before the first step;
+0. seeds; what `startup.py` prepares (trainers, a resume refused if the settings it was written
+   under changed (`resume.py`), or else a warm start; the deployment, the agent shim, the rollout
+   setup); the run state β (`train_step.KLCoefficient`); the trainer thread, which under torchrun
+   the other ranks only follow; the ledger, the user's rollout function; evaluation before the
+   first step;
 1. the recipe's loop; after each step: evaluation, ledger, run health, a stop when too many
    optimizer steps were skipped, a checkpoint;
 2. a stop with the reasons when no group was trained at all; else the last checkpoint, weight
@@ -20,7 +22,10 @@ A recipe is a `Config` and a loop, `async def loop(run: TrainingRun, ...)`, that
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+import math
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
@@ -31,21 +36,19 @@ import numpy as np
 import torch
 
 from training.utils import distributed
-from training.utils.checkpoint import latest_checkpoint
+from training.utils.checkpoint import latest_checkpoint, save_checkpoint
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment
-from training.utils.errors import ConfigError, NothingTrainedError, SkippedStepsError
+from training.utils.errors import ConfigError, EvaluationTimeoutError, NothingTrainedError, SkippedStepsError
 from training.utils.logging import RunLogger
 from training.utils.rl.dataset import DurableRowSource
 from training.utils.rl.groups import SettledRow
 from training.utils.rl.health import RunHealth
 from training.utils.rl.resume import check_resumable, run_settings
+from training.utils.rl.rollout.invoke import DrawFn, bind_draws
 from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
-from training.utils.rl.telemetry import EngineCounters
-from training.utils.rl.wiring import (
-    checkpoint,
+from training.utils.rl.startup import (
     deploy_policy,
-    evaluate,
     make_rollout_setup,
     read_rows,
     restore,
@@ -53,6 +56,8 @@ from training.utils.rl.wiring import (
     start_agent_shim,
     warm_start,
 )
+from training.utils.rl.telemetry import EngineCounters
+from training.utils.rl.train_step import KLCoefficient
 from training.utils.rl.worker import TrainerWorker
 from training.utils.trainer import Reference, Trainer
 
@@ -76,6 +81,8 @@ class TrainingRun:
     """What checkpoints record about the run, to check a resume against (`resume.run_settings`)."""
     policy: Trainer
     reference: Reference | None
+    kl: KLCoefficient
+    """β of the KL term: run state, adapted with `kl_target` and checkpointed (never written into `cfg`)."""
     tokenizer: Any
     worker: TrainerWorker
     """The thread all trainer work runs on (`await run.worker.run(fn, ...)`)."""
@@ -86,8 +93,8 @@ class TrainingRun:
     evaluation_fn: Callable | None
     health: RunHealth = field(default_factory=RunHealth)
     engine_counters: EngineCounters = field(default_factory=EngineCounters)
-    resume_state: Callable[[], dict[str, Any]] = dict
-    """Set by the loop: what a checkpoint stores besides the weights (the data cursor, ...)."""
+    resume_state: dict[str, Any] = field(default_factory=dict)
+    """What the loop handed to the last `end_step`: what a checkpoint stores besides the weights and β."""
     step: int = 0
     """The last step published."""
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -102,6 +109,11 @@ class TrainingRun:
     @property
     def start_step(self) -> int:
         return self.progress.get("step", 0)
+
+    def draws(self) -> DrawFn:
+        """The user's rollout function bound to each draw's context (`rollout.invoke.bind_draws`)."""
+        return bind_draws(self.rollout_fn, rows_per_epoch=len(self.rows),
+                          vocab_size=self.policy.model.config.vocab_size, timeout_s=self.cfg.rollout_timeout_s)
 
     def row_source(self) -> DurableRowSource:
         """The rows in cursor order from where the checkpoint left off: `epochs` passes, or unbounded with
@@ -126,10 +138,11 @@ class TrainingRun:
         for settled in settled_rows:
             self.drops.update(settled.drop_reasons)
 
-    async def end_step(self, step: int, metrics: dict[str, Any]) -> None:
+    async def end_step(self, step: int, metrics: dict[str, Any], resume_state: dict[str, Any]) -> None:
         """After publication: evaluation every `eval_interval` steps, the ledger, run health, a checkpoint
-        every `dcp_save_interval` steps."""
+        every `dcp_save_interval` steps holding `resume_state` (what the loop needs to continue after `step`)."""
         self.step = step
+        self.resume_state = resume_state
         self.samples_trained += int(metrics.get("batch/samples", 0))
         metrics |= self.engine_counters.step_metrics(self.deployment)
         if self.cfg.eval_interval and step % self.cfg.eval_interval == 0:
@@ -157,10 +170,15 @@ class TrainingRun:
             )
 
     async def save_checkpoint(self) -> int:
-        progress = {"settings": self.settings, **self.resume_state()}
-        if self.cfg.kl_target is not None:
-            progress["kl_beta"] = self.cfg.kl_beta  # the adaptive KL controller's β (train_step.adapt_kl_beta)
-        return await checkpoint(self.cfg, self.worker, self.policy, self.rng, self.step, progress, self.logger)
+        """Save on the trainer thread: the weights, optimizer and RNG, with the step, the settings, the loop's
+        resume state and β."""
+        start = time.monotonic()
+        progress = {"step": self.step, "settings": self.settings, **self.resume_state, **self.kl.state_dict()}
+        await self.worker.run(save_checkpoint, self.cfg.log_path, self.step, policy=self.policy, progress=progress,
+                              np_rng=self.rng, keep=self.cfg.keep_checkpoints)
+        self.worker.take_busy_s()
+        self.logger.log(self.step, {"perf/checkpoint_time": time.monotonic() - start})
+        return self.step
 
     async def finish(self) -> None:
         """What the last step did not do: checkpoint, weight sync, evaluation; then the export.
@@ -256,19 +274,17 @@ def run_abandoning_stragglers(main: Coroutine[Any, Any, T], *, grace_s: float | 
 
 async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], rollout_fn_factory, *,
                      evaluation_fn, rollout_extras, **loop_kwargs) -> dict[str, Any]:
-    cfg = cfg.model_copy()  # the run's own: with kl_target its kl_beta is the adapted β, the caller's stays as given
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     total_steps = cfg.planned_steps(len(rows))
     policy, reference, tokenizer = setup_trainers(cfg, total_steps)
     progress = restore(cfg, policy, rng)
-    if cfg.kl_target is not None and "kl_beta" in progress:
-        cfg.kl_beta = progress["kl_beta"]  # the adaptive controller goes on from the β it had reached
+    kl = KLCoefficient.for_run(cfg, progress)
     warm_start(cfg, policy, progress)  # a fresh run only: a resumed one keeps its checkpoint's weights
     settings = run_settings(cfg, rows, recipe=loop.__module__.rsplit(".", 1)[-1])
     check_resumable(progress, settings)
     # All trainer work goes through the worker; under torchrun it runs on every rank.
-    worker = TrainerWorker(policy=policy, reference=reference, rng=rng, cfg=cfg, tokenizer=tokenizer)
+    worker = TrainerWorker(policy=policy, reference=reference, kl=kl, rng=rng, cfg=cfg, tokenizer=tokenizer)
     if not distributed.is_main():
         worker.follow()
         return distributed.broadcast_object(control=True)  # rank 0's summary
@@ -284,7 +300,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         shim = await start_agent_shim(cfg, tokenizer, deployment)  # None unless cfg.agent_shim.enabled
         setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim)
         run = TrainingRun(cfg=cfg, rows=rows, rng=rng, total_steps=total_steps, progress=progress, settings=settings,
-                          policy=policy, reference=reference, tokenizer=tokenizer, worker=worker,
+                          policy=policy, reference=reference, kl=kl, tokenizer=tokenizer, worker=worker,
                           deployment=deployment, logger=logger, setup=setup, rollout_fn=rollout_fn_factory(setup),
                           evaluation_fn=evaluation_fn, step=start_step, evaluated_step=start_step,
                           saved_step=start_step)
@@ -302,3 +318,27 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         await deployment.close()
     run.health.report()
     return distributed.broadcast_object(run.summary(plots), control=True)  # under torchrun every rank returns it
+
+
+async def evaluate(evaluation_fn: Callable | None, setup: RolloutSetup, step: int, logger: RunLogger | None,
+                   cfg: RLConfig) -> dict[str, float]:
+    """Run `evaluation_fn(setup, step)` under `eval_timeout_s`; its metrics are logged under `eval/`.
+    The timeout bounds what it awaits: a synchronous one blocks the event loop until it returns."""
+    if evaluation_fn is None:
+        return {}
+    deadline = asyncio.timeout(cfg.eval_timeout_s)
+    try:
+        async with deadline:
+            result = evaluation_fn(setup, step)
+            if inspect.isawaitable(result):
+                result = await result
+    except TimeoutError:
+        if not deadline.expired():  # a TimeoutError of the evaluation's own
+            raise
+        raise EvaluationTimeoutError(f"evaluation_fn did not return within eval_timeout_s={cfg.eval_timeout_s:g}s "
+                                     f"at step {step}") from None
+    metrics = {k if k.startswith("eval/") else f"eval/{k}": float(v) for k, v in (result or {}).items()
+               if isinstance(v, (int, float)) and math.isfinite(v)}
+    if logger is not None:
+        logger.log(step, metrics)
+    return metrics

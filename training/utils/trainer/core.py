@@ -3,7 +3,8 @@
 One `Trainer` wraps one Hugging Face causal LM on one device:
 - `logprobs(datums)`: no-grad per-token logprobs (and optionally entropies) of the targets;
 - `forward_backward(datums, loss_fn)`: length-bucketed micro-batches, each a forward, a
-  user loss and a `backward()`, so gradients accumulate over the whole call;
+  user loss and a `backward()`, so gradients accumulate over the whole call (and across calls;
+  `divide_grads(d)` scales what accumulated);
 - with `cfg.share_prefixes`, datums that begin alike are computed as one row, their common prefix
   once (`shared_prefix`), giving the logprobs, entropies and gradients of the datums apart;
 - `optim_step()`: AdamW with norm clipping and an LR schedule, skipping a step whose gradient or
@@ -20,7 +21,7 @@ rank returns what one process would. The export methods gather the full weights 
 
 Logprobs are `log_softmax(lm_head(h) / temperature)` at the target ids. The decoder runs once
 per micro-batch; the vocabulary projection runs in chunks of `cfg.logprob_chunk_tokens`
-selected positions, so no float32 `(tokens, vocab)` buffer for the whole batch ever exists.
+selected positions (`logprob_head`), so no float32 `(tokens, vocab)` buffer for the whole batch ever exists.
 Models that transform logits after `lm_head` (e.g. Gemma-2 soft-capping) are not supported.
 """
 
@@ -36,11 +37,10 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from training.utils import distributed
 from training.utils.config import TrainerConfig
-from training.utils.errors import ConfigError, one_line
+from training.utils.errors import ConfigError
 from training.utils.lora import adapters_disabled, merged_state_dict, standalone_copy, wrap_with_lora
 from training.utils.model import native_bf16
 from training.utils.trainer.batching import (
@@ -56,15 +56,9 @@ from training.utils.trainer.batching import (
     filler_batch,
     plan_ranks,
 )
-from training.utils.trainer.compiled import CompiledLayers, compiled_logprob_mismatch
-from training.utils.trainer.optim import (
-    lr_multiplier,
-    max_abs,
-    param_groups,
-    restore_params,
-    snapshot_params,
-    update_may_overflow,
-)
+from training.utils.trainer.compiled import CompiledLayers
+from training.utils.trainer.logprob_head import token_logprobs
+from training.utils.trainer.optim import guarded_step, lr_multiplier, max_abs, param_groups
 from training.utils.trainer.sharding import MetricTotals, ShardedRoot, gather_to_main, unsharded_copy
 from training.utils.trainer.shared_prefix import PrefixBundle, PrefixSharing, prefix_bundles, shared_prefix_mask
 
@@ -82,21 +76,6 @@ def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
 def weight_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
     """The dtype the trainer keeps its weights (and AdamW state) in: float32 unless `precision` is bf16."""
     return torch.bfloat16 if resolve_precision(cfg, device) == "bf16" else torch.float32
-
-
-def _chunk_logprobs(lm_head: torch.nn.Module, hidden_CH: Tensor, targets_C: Tensor, temperature: float) -> Tensor:
-    logits_CV = lm_head(hidden_CH).float() / temperature
-    return logits_CV.gather(1, targets_C[:, None]).squeeze(1) - logits_CV.logsumexp(dim=1)
-
-
-def _chunk_logprobs_entropy(
-    lm_head: torch.nn.Module, hidden_CH: Tensor, targets_C: Tensor, temperature: float
-) -> tuple[Tensor, Tensor]:
-    logits_CV = lm_head(hidden_CH).float() / temperature
-    logz_C = logits_CV.logsumexp(dim=1)
-    probs_CV = (logits_CV - logz_C[:, None]).exp()
-    entropy_C = logz_C - (probs_CV * logits_CV).sum(dim=1)
-    return logits_CV.gather(1, targets_C[:, None]).squeeze(1) - logz_C, entropy_C
 
 
 def _scatter(values_N: Tensor, positions_N: Tensor, shape: torch.Size) -> Tensor:
@@ -167,7 +146,7 @@ class Trainer:
             param_groups(model, cfg.weight_decay),
             lr=cfg.learning_rate,
             betas=cfg.adam_betas,
-            # On CPU too: 6-7x faster than the per-tensor loop on SmolLM2-135M (benchmarks/optimizer_step.py).
+            # On CPU too: the per-tensor loop is slow there as well (benchmarks/optimizer_step.py measures both).
             fused=self.device.type in ("cuda", "cpu"),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_multiplier(step, cfg))
@@ -201,11 +180,16 @@ class Trainer:
     def _model_forward(
         self, batch: PaddedBatch, temperature: float, with_entropy: bool
     ) -> tuple[Tensor, Tensor | None]:
-        """`_root_forward`; with compiled layers, the first one of each grad mode is checked against eager."""
+        """`_root_forward`; with compiled layers, the first one of each grad mode is checked against eager
+        (`CompiledLayers.checked_forward`), and on a failure or a mismatch the layers run eagerly from then on."""
         compiled = self.compiled_layers
-        if compiled is not None and torch.is_grad_enabled() not in compiled.checked_grad_modes:
-            return self._checked_compiled_forward(batch, temperature, with_entropy)
-        return self._root_forward(batch, temperature, with_entropy)
+        if compiled is None or torch.is_grad_enabled() in compiled.checked_grad_modes:
+            return self._root_forward(batch, temperature, with_entropy)
+        result, kept = compiled.checked_forward(lambda: self._root_forward(batch, temperature, with_entropy),
+                                                self.precision)
+        if not kept:
+            self.compiled_layers = None
+        return result
 
     def _root_forward(
         self, batch: PaddedBatch, temperature: float, with_entropy: bool
@@ -214,50 +198,6 @@ class Trainer:
         if self._sharded_root is None:
             return self._forward(batch, temperature, with_entropy)
         return self._sharded_root(batch, temperature, with_entropy)
-
-    def _checked_compiled_forward(
-        self, batch: PaddedBatch, temperature: float, with_entropy: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """The compiled layers' forward of one micro-batch, kept only if it matches an eager forward of it.
-
-        Runs on the first micro-batch of each grad mode (no-grad logprobs and the training forward
-        compile separately), so the graph that trains is itself checked: the compiled pass runs as asked
-        and is returned when kept; the eager pass runs without grad. They match when every logprob is
-        within `COMPILE_TOLERANCES`: 1e-3 + 1e-3·|logprob| in fp32, 0.1 + 0.05·|logprob| with bf16
-        matmuls or weights. On an exception or a mismatch the compilation is undone with one warning and
-        the micro-batch is recomputed eagerly (with grad when asked; otherwise the eager pass is returned).
-        Under torchrun the ranks share their verdicts, so every rank keeps or undoes alike (a compiled
-        pass that raises on some ranks only leaves FSDP2's collectives out of step; compilation failures
-        come from the shared code and shapes, so they are expected on every rank at once).
-        """
-        compiled_layers = self.compiled_layers
-        compiled_layers.checked_grad_modes.add(torch.is_grad_enabled())
-        compiled, problem = None, None
-        try:
-            compiled = self._root_forward(batch, temperature, with_entropy)
-        except Exception as error:
-            problem = f"raised {one_line(error)}"
-        with torch.no_grad(), compiled_layers.eager():
-            eager = self._root_forward(batch, temperature, with_entropy)
-        if problem is None:
-            problem = compiled_logprob_mismatch(compiled[0], eager[0], self.precision)
-        verdicts = distributed.all_gather_objects(problem)
-        failed = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict is not None]
-        if not failed:
-            return compiled
-        compiled_layers.undo()
-        # Dropping the compiled pass frees its autograd graph before the eager one is built.
-        self.compiled_layers = compiled = None
-        rank, problem = failed[0]
-        where = f" on rank {rank}" if len(verdicts) > 1 else ""
-        logger.warning(
-            "trainer.compile_layers: on the first %s micro-batch%s, the compiled decoder layers %s. The compilation "
-            "is undone and the layers run eagerly from now on; set trainer.compile_layers=False to skip compiling.",
-            "training" if torch.is_grad_enabled() else "no-grad", where, problem,
-        )
-        if torch.is_grad_enabled():
-            return self._root_forward(batch, temperature, with_entropy)
-        return eager
 
     def _filler_pass(self, *, backward: bool) -> None:
         """A one-token forward (and a zero backward) that changes nothing, run by a rank with fewer
@@ -286,27 +226,12 @@ class Trainer:
             ).last_hidden_state
             hidden_NH = hidden_BTH.flatten(0, 1).index_select(0, batch.hidden_index)
             targets_N = batch.target_ids.flatten().index_select(0, batch.positions)
-            logprob_chunks, entropy_chunks = [], []
-            num_positions = len(batch.positions)
-            for start in range(0, num_positions, self.cfg.logprob_chunk_tokens):
-                stop = start + self.cfg.logprob_chunk_tokens
-                hidden_CH, targets_C = hidden_NH[start:stop], targets_N[start:stop]
-                if with_entropy:
-                    logprobs_C, entropy_C = _chunk_logprobs_entropy(lm_head, hidden_CH, targets_C, temperature)
-                    entropy_chunks.append(entropy_C)
-                elif torch.is_grad_enabled() and stop < num_positions:
-                    # Without recomputation autograd would keep every chunk's float32 (C, V) logits
-                    # alive until backward, i.e. the full-batch buffer chunking exists to avoid.
-                    # Recomputing costs one extra lm_head matmul per chunk in backward. The last
-                    # chunk is exempt: its backward runs first, so its logits add nothing to the peak.
-                    logprobs_C = checkpoint(
-                        _chunk_logprobs, lm_head, hidden_CH, targets_C, temperature, use_reentrant=False
-                    )
-                else:
-                    logprobs_C = _chunk_logprobs(lm_head, hidden_CH, targets_C, temperature)
-                logprob_chunks.append(logprobs_C)
-        logprobs_BT = _scatter(_cat(logprob_chunks, hidden_NH), batch.positions, batch.shape)
-        entropy_BT = _scatter(_cat(entropy_chunks, hidden_NH), batch.positions, batch.shape) if with_entropy else None
+            logprobs_N, entropy_N = token_logprobs(
+                lm_head, hidden_NH, targets_N, temperature,
+                chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy,
+            )
+        logprobs_BT = _scatter(logprobs_N, batch.positions, batch.shape)
+        entropy_BT = _scatter(entropy_N, batch.positions, batch.shape) if with_entropy else None
         return logprobs_BT, entropy_BT
 
     @torch.no_grad()
@@ -423,27 +348,25 @@ class Trainer:
             totals.add(loss, metrics, micro_weight if num_tokens_total > 0 else 1.0)
         return totals.reduce() | {"tokens_computed": float(tokens_computed)}
 
+    @torch.no_grad()
+    def divide_grads(self, denominator: float) -> None:
+        """Divide the gradient accumulated so far on every trainable parameter by `denominator`, in place: a
+        sum accumulated over several `forward_backward` calls becomes a mean. Under FSDP2 each rank divides its
+        own shards (a DTensor's gradient); with LoRA only the adapters carry gradients."""
+        self._require_trainable("divide_grads")
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(denominator)
+
     def optim_step(self) -> dict[str, float]:
         """Clip and apply the accumulated gradient, or skip the step; then zero the gradient.
 
         A step is skipped (counted in `skipped_steps`, the LR schedule not advanced, a warning logged)
         when the gradient norm is not finite, or when the update is: when it made a trainable weight
         non-finite, or overflowed so that torch refused it. Then the weights and the AdamW state are put
-        back bit for bit.
-
-        Putting them back needs a copy from before the step of the trainable weights and both AdamW
-        moments: 3x the trainable parameters, little with LoRA, too much to copy every step of a full
-        fine-tune. So the copy is taken only when a bound cannot rule the overflow out
-        (`update_may_overflow`): no AdamW step moves an element by more than `adam_step_bound`
-        (lr / sqrt((1 − β2)(1 − β1²/β2)), 11.6·lr at the default betas) besides scaling it by the weight
-        decay's 1 − lr·wd, and the weights' max |w| is read with the gradient norm, in its host sync
-        (one fused read). While the bound stays below `UNDO_FREE_WEIGHT_LIMIT` (1e30, against float32's
-        and bfloat16's 3.4e38) no copy is taken, so a normal run pays one extra read per step; past it
-        (an absurd learning rate or weight decay, weights already huge, or β1² ≥ β2, which has no such
-        bound) the copy is taken on the weights' device. After the step one fused max |w| (the second
-        host sync) checks the weights are finite. A non-finite result without a copy means the bound's
-        premise was broken (AdamW state edited, or built with other betas) and raises, as does a step
-        from weights that are already non-finite: no restore could help either.
+        back bit for bit (`optim.guarded_step`: when the copy to restore them from is taken, and the two
+        reads of the weights' max |w|, the first in the gradient norm's host sync). A step from weights
+        that are already non-finite raises: no restore could help.
 
         Under FSDP2 both reads are max-reduced over every rank's shards, as the gradient norm is made
         global, so every rank skips or applies alike.
@@ -465,37 +388,13 @@ class Trainer:
                                "(loaded or modified so); no step can make them finite again")
         if self.cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, grad_norm)
-        undo = snapshot_params(self.optimizer, params) if update_may_overflow(weight_max, self.optimizer.param_groups) \
-            else None
-        if (undone := self._step_or_undo(params, undo)) is not None:
+        if (undone := guarded_step(self.optimizer, params, weight_max, self.step)) is not None:
             return self._skip_step(f"{undone}, although the gradient norm {grad_norm_value:g} was finite; "
                                    "weights and AdamW state restored", grad_norm_value, lr)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"grad_norm": grad_norm_value, "lr": lr, "skipped": 0.0}
-
-    def _step_or_undo(self, params: list[Tensor], undo: list | None) -> str | None:
-        """The AdamW step; None if it left the weights finite, else why it was undone from `undo`."""
-        try:
-            self.optimizer.step()
-        except RuntimeError as error:
-            if undo is None:
-                raise
-            restore_params(self.optimizer, undo)  # a half-applied step never stays, whatever the error
-            # torch refuses a scalar that overflows the weights' dtype (lr over the bias correction, or the
-            # weight decay factor) rather than making it inf: that update is non-finite too.
-            if "without overflow" not in str(error):
-                raise
-            return f"the update overflowed ({one_line(error)})"
-        if math.isfinite(max_abs(params).item()):  # the step's second host sync
-            return None
-        if undo is None:
-            raise RuntimeError(f"optimizer step {self.step} made the weights non-finite although its bound ruled "
-                               "that out (was the AdamW state edited, or built with other betas?); there is no "
-                               "copy to restore them from")
-        restore_params(self.optimizer, undo)
-        return "the update was non-finite"
 
     def _skip_step(self, reason: str, grad_norm: float, lr: float) -> dict[str, float]:
         self.skipped_steps += 1
@@ -584,11 +483,6 @@ class AdapterDisabledReference:
 
 Reference = Trainer | AdapterDisabledReference
 """What computes reference logprobs: a frozen `Trainer`, or a LoRA policy's base model."""
-
-
-def _cat(chunks: list[Tensor], like: Tensor) -> Tensor:
-    """Concatenate chunk results; an empty float32 tensor when there were no positions."""
-    return torch.cat(chunks) if chunks else like.new_zeros(0, dtype=torch.float32)
 
 
 def _enable_activation_checkpointing(model: torch.nn.Module) -> None:

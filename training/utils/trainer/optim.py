@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from training.utils.config import TrainerConfig
+from training.utils.errors import one_line
 
 
 def lr_multiplier(step: int, cfg: TrainerConfig) -> float:
@@ -95,8 +96,8 @@ def max_abs(tensors: list[Tensor]) -> Tensor:
     if not local:
         value = torch.zeros((), device=tensors[0].device)
     elif local[0].device.type == "cpu":
-        # CPU's inf-norm kernel is slow: about 10x aminmax's time over SmolLM2-135M's weights
-        # (benchmarks/optimizer_step.py), and optim_step reads the weights twice. aminmax propagates nan too.
+        # CPU's inf-norm kernel is slow next to aminmax over the same weights (benchmarks/optimizer_step.py
+        # measures both), and optim_step reads the weights twice. aminmax propagates nan too.
         value = torch.stack([torch.stack(torch.aminmax(t)).abs().max().float() for t in local]).max()
     else:
         value = torch.nn.utils.get_total_norm(local, norm_type=math.inf).float()
@@ -112,6 +113,44 @@ def snapshot_params(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> l
         (p, p.detach().clone(), {k: v.clone() if isinstance(v, Tensor) else v for k, v in optimizer.state[p].items()})
         for p in params
     ]
+
+
+def guarded_step(optimizer: torch.optim.Optimizer, params: list[Tensor], weight_max: float, step: int) -> str | None:
+    """The AdamW step of optimizer step number `step` over `params` (their max |w| is `weight_max`, read with
+    the gradient norm in its host sync): None if it left the weights finite, else why it was undone.
+
+    Putting the weights back needs a copy from before the step of the trainable weights and both AdamW
+    moments: 3x the trainable parameters, little with LoRA, too much to copy every step of a full
+    fine-tune. So the copy is taken only when a bound cannot rule the overflow out
+    (`update_may_overflow`): no AdamW step moves an element by more than `adam_step_bound`
+    (lr / sqrt((1 − β2)(1 − β1²/β2)), 11.6·lr at the default betas) besides scaling it by the weight
+    decay's 1 − lr·wd. While the bound stays below `UNDO_FREE_WEIGHT_LIMIT` (1e30, against float32's
+    and bfloat16's 3.4e38) no copy is taken, so a normal run pays one extra read per step; past it
+    (an absurd learning rate or weight decay, weights already huge, or β1² ≥ β2, which has no such
+    bound) the copy is taken on the weights' device. After the step one fused max |w| (the second
+    host sync) checks the weights are finite. A non-finite result without a copy means the bound's
+    premise was broken (AdamW state edited, or built with other betas) and raises.
+    """
+    undo = snapshot_params(optimizer, params) if update_may_overflow(weight_max, optimizer.param_groups) else None
+    try:
+        optimizer.step()
+    except RuntimeError as error:
+        if undo is None:
+            raise
+        restore_params(optimizer, undo)  # a half-applied step never stays, whatever the error
+        # torch refuses a scalar that overflows the weights' dtype (lr over the bias correction, or the
+        # weight decay factor) rather than making it inf: that update is non-finite too.
+        if "without overflow" not in str(error):
+            raise
+        return f"the update overflowed ({one_line(error)})"
+    if math.isfinite(max_abs(params).item()):  # the step's second host sync
+        return None
+    if undo is None:
+        raise RuntimeError(f"optimizer step {step} made the weights non-finite although its bound ruled "
+                           "that out (was the AdamW state edited, or built with other betas?); there is no "
+                           "copy to restore them from")
+    restore_params(optimizer, undo)
+    return "the update was non-finite"
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from training.utils.rl.dataset import GeneratedSplits
+from training import GeneratedSplits
 
 DATA_DIR = Path(__file__).parent / "data"
 TASK_TEMPLATE = "What is {expression}? Reply with only the completed equation."

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import tempfile
 import time
@@ -21,39 +20,28 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from training import read_jsonl, serve_policy
 from training.examples.rl.blackbox_agent.make_data import load_split
 from training.examples.rl.blackbox_agent.rollout import make_rollout_fn
 from training.examples.rl.blackbox_agent.train import EVAL_SAMPLES_PER_ROW, cfg as train_cfg, rollout_extras
 from training.recipes.async_rl_loop import Config
-from training.utils.deploy import start_embedded_deployment
-from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.wiring import make_rollout_setup, start_agent_shim
 
 
 async def roll_out(cfg: Config, extras: dict, rows: list[dict], samples_per_row: int, concurrency: int,
                    timeout_s: float) -> None:
     """Every (row, sample) draw through the agent; what each did lands in `extras["runs_log"]`."""
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
-    deployment = await start_embedded_deployment(copy.deepcopy(model), tokenizer, cfg.deployment,
-                                                 model_name=cfg.model, sampling_timeout_s=cfg.sampling.timeout_s)
-    try:
-        shim = await start_agent_shim(cfg, tokenizer, deployment)
-        try:
-            rollout_fn = make_rollout_fn(make_rollout_setup(cfg, tokenizer, deployment, extras, shim))
-            # Agent processes are heavy on 2 cores: bound how many run at once.
-            slots = asyncio.Semaphore(concurrency)
+    async with serve_policy(cfg, rollout_extras=extras) as setup:
+        rollout_fn = make_rollout_fn(setup)
+        # Agent processes are heavy on 2 cores: bound how many run at once.
+        slots = asyncio.Semaphore(concurrency)
 
-            async def draw(row: dict, sample_index: int) -> None:
-                async with slots:
-                    await rollout_fn(row, sample_index=sample_index, submit_version=0, evaluation=True)
+        async def draw(row: dict, sample_index: int) -> None:
+            async with slots:
+                await rollout_fn(row, sample_index=sample_index, submit_version=0, evaluation=True)
 
-            async with asyncio.timeout(timeout_s):
-                await asyncio.gather(*[draw(row, s) for row in rows for s in range(samples_per_row)],
-                                     return_exceptions=True)  # a dropped draw is in the runs log as agent_failed
-        finally:
-            await shim.close()
-    finally:
-        await deployment.close()
+        async with asyncio.timeout(timeout_s):
+            await asyncio.gather(*[draw(row, s) for row in rows for s in range(samples_per_row)],
+                                 return_exceptions=True)  # a dropped draw is in the runs log as agent_failed
 
 
 def report(records: list[dict]) -> dict[str, float]:
@@ -93,7 +81,7 @@ def main() -> None:
         runs_log = Path(tmp) / "agent_runs.jsonl"
         extras = rollout_extras | {"runs_log": str(runs_log)}
         asyncio.run(roll_out(train_cfg, extras, rows, args.samples, args.concurrency, args.timeout))
-        records = [json.loads(line) for line in runs_log.read_text().splitlines()] if runs_log.exists() else []
+        records = read_jsonl(runs_log) if runs_log.exists() else []
     summary = report(records)
     s = train_cfg.sampling
     print(f"{summary['draws']} draws ({len(rows)} eval rows x {args.samples}), max_turns={extras['max_turns']}, "

@@ -39,9 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from training import ConfigError, RecoverableRolloutError, RolloutRun, RolloutSetup
 from training.examples.rl.blackbox_agent.reward import answer_file_reward
-from training.utils.errors import ConfigError, RecoverableRolloutError
-from training.utils.rl.rollout.types import RolloutRun, RolloutSetup
 
 AGENT = Path(__file__).with_name("agent.py")
 STDERR_TAIL_CHARS = 2000

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from training.utils.logging import LEDGER_NAME, read_ledger
+from training import read_jsonl
 
 COLUMNS = {
     "step": "step",
@@ -63,7 +63,8 @@ def _cell(value: Any) -> str:
 
 def run_dir_stats(log_path: str | Path) -> list[dict[str, Any]]:
     """`step_table` of a run directory's ledger."""
-    return step_table(read_ledger(Path(log_path) / LEDGER_NAME))
+    # A run killed mid-write leaves a torn last line in its ledger.
+    return step_table(read_jsonl(Path(log_path) / "metrics.jsonl", skip_torn_lines=True))
 
 
 def main() -> None:

@@ -10,12 +10,11 @@ README: what the default run measured).
 import json
 from pathlib import Path
 
+from training import AgentShimConfig, SamplingConfig, TrainerConfig, rollout_evaluation
 from training.examples.rl.blackbox_agent.make_data import load_split
 from training.examples.rl.blackbox_agent.rollout import make_rollout_fn
 from training.examples.rl.blackbox_agent.shim_stats import markdown_table, run_dir_stats
 from training.recipes.async_rl_loop import Config, main
-from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
-from training.utils.rl.evaluation import rollout_evaluation
 
 cfg = Config(
     model="smollm2-135m-instruct", log_path="runs/blackbox_agent",

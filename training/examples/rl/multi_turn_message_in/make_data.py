@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from training.utils.rl.dataset import GeneratedSplits
+from training import GeneratedSplits
 
 DATA_DIR = Path(__file__).parent / "data"
 INSTRUCTION = "Put the final answer within \\boxed{}."

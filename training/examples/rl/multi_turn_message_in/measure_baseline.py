@@ -10,30 +10,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import time
 
 import numpy as np
 import torch
 
+from training import RolloutSample, serve_policy
 from training.examples.rl.multi_turn_message_in.make_data import load_split
 from training.examples.rl.multi_turn_message_in.rollout import make_rollout_fn
 from training.examples.rl.multi_turn_message_in.train import cfg as train_cfg, rollout_extras
-from training.recipes.rl_loop import Config
-from training.utils.deploy import start_embedded_deployment
-from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.rollout.types import RolloutSample
-from training.utils.rl.wiring import make_rollout_setup
+from training.recipes.async_rl_loop import Config
 
 
 async def roll_out(cfg: Config, rows: list[dict], samples_per_row: int) -> list[RolloutSample]:
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
-    deployment = await start_embedded_deployment(copy.deepcopy(model), tokenizer, cfg.deployment, model_name=cfg.model)
-    try:
-        rollout_fn = make_rollout_fn(make_rollout_setup(cfg, tokenizer, deployment, rollout_extras))
+    async with serve_policy(cfg, rollout_extras=rollout_extras) as setup:
+        rollout_fn = make_rollout_fn(setup)
         return await asyncio.gather(*[rollout_fn(row) for row in rows for _ in range(samples_per_row)])
-    finally:
-        await deployment.close()
 
 
 def report(samples: list[RolloutSample]) -> str:

@@ -11,9 +11,8 @@ Turns are not discounted; the group advantage separates a row's outcomes.
 
 from __future__ import annotations
 
+from training import ChatAssembler, RolloutSample, RolloutSetup
 from training.examples.rl.multi_turn_message_in.reward import answer_reward
-from training.utils.rl.rollout.messages import ChatAssembler
-from training.utils.rl.rollout.types import RolloutSample, RolloutSetup
 
 RETRY_MESSAGE = {
     "role": "user",

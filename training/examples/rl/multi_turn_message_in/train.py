@@ -8,11 +8,10 @@ Runs the async recipe; for the synchronous one import from `training.recipes.rl_
 
 import json
 
+from training import SamplingConfig, TrainerConfig, rollout_evaluation
 from training.examples.rl.multi_turn_message_in.make_data import load_split
 from training.examples.rl.multi_turn_message_in.rollout import make_rollout_fn
 from training.recipes.async_rl_loop import Config, main
-from training.utils.config import SamplingConfig, TrainerConfig
-from training.utils.rl.evaluation import rollout_evaluation
 
 rollout_extras = {"max_turns": 2}
 cfg = Config(

@@ -19,7 +19,7 @@ import argparse
 import random
 from pathlib import Path
 
-from training.utils.rl.dataset import write_jsonl
+from training import write_jsonl
 
 HERE = Path(__file__).resolve().parent
 OPERANDS = range(1, 10)
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=HERE / "data")
     args = parser.parse_args(argv)
 
-    from training.utils.model import load_tokenizer
+    from training import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     train_pairs, eval_pairs = split_pairs(args.seed, args.n_eval)

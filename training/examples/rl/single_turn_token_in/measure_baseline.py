@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
+from training import load_model_and_tokenizer, read_jsonl
 from training.examples.rl.single_turn_token_in.verifier import score
 
 HERE = Path(__file__).resolve().parent
 
 
 def load_rows(path: Path, n: int) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(path)
     return rows[:n]
 
 
@@ -59,8 +60,6 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    from training.utils.model import load_model_and_tokenizer
-
     model, tokenizer = load_model_and_tokenizer(args.model, device="cpu")
     model.eval()
     eos_id = tokenizer.eos_token_id

@@ -7,8 +7,8 @@ the sampled ids and logprobs come back exactly as the deployment produced them.
 
 from __future__ import annotations
 
+from training import RolloutSample, RolloutSetup, sample_from_completion
 from training.examples.rl.single_turn_token_in.verifier import score
-from training.utils.rl.rollout.types import RolloutSample, RolloutSetup, sample_from_completion
 
 
 def make_rollout_fn(setup: RolloutSetup):

@@ -9,11 +9,9 @@ instead (drop the async-only field `max_head_offpolicy_versions`).
 import json
 from pathlib import Path
 
+from training import SamplingConfig, TrainerConfig, read_jsonl, rollout_evaluation
 from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn
 from training.recipes.async_rl_loop import Config, main
-from training.utils.config import SamplingConfig, TrainerConfig
-from training.utils.rl.dataset import read_jsonl
-from training.utils.rl.evaluation import rollout_evaluation
 
 DATA = Path(__file__).resolve().parent / "data"
 

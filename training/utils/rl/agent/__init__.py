@@ -10,24 +10,34 @@ A rollout opens a session on `setup.shim`, points its agent at `session.base_url
     finally:
         setup.shim.discard_session(session.key)  # a no-op once finished; frees a cancelled rollout's session
 
-`server.py` is the HTTP server and session API, `session.py` the per-session state machine.
-Between the wire and the model: `wire_anthropic.py` / `wire_openai.py` (each declares a
-`wire_format.WireFormat`, registered in `server.WIRE_FORMATS`) translate requests into
-`chat_request.ChatRequest`s (with the shared field readers of `fields.py`), `chat_format.py`
-renders them with the chat template, and `hermes.py` is the text format for tools, tool calls
-and reasoning the template does not render. README: "The agent shim".
+A model request's path, top to bottom (README: "The agent shim"):
+
+1. `server.py` routes it (the app is built from `WIRE_FORMATS`, one `wire_format.WireFormat`
+   per `wire_<name>.py`) and finds the session its key names (`sessions.py`); anything refused
+   on the way is answered in that wire's error shape.
+2. `request_body.py` reads the body and, in a worker thread, the wire's codec decodes it
+   (`wire_<name>.py`, with the field readers of `fields.py`) into a wire-neutral
+   `chat_request.ChatRequest`.
+3. `model_call.py` answers it in the session's queue (`turn_queue.py`):
+   a. `session.py` matches it to a recorded turn (`rollout/turn_matching.py`: NEW, APPEND, or
+      WIPE, which is a branch or a compaction) and builds its prompt ids (`prompt.py`, rendered by
+      `chat_format.py` with the chat template and `hermes.py` for what the template cannot show);
+   b. the deployment samples it, and `session.py` checks the answer against the prompt
+      (`rollout/stitching.py`);
+   c. `reply.py` shapes what the client is told, and the wire's codec encodes it (`TurnCodec.encode`);
+   d. `session.py` stages the record, the reply is sent, and once the client has it the turn is
+      committed to the session's tree (`rollout/stitching.py`'s `TurnTree`).
+4. `finish_session` (`sessions.py`) closes the session, and `session.py` stitches its tree into
+   segments and one `RolloutRun` (`rollout/stitching.py`).
 """
 
 from training.utils.config import AgentShimConfig
 from training.utils.rl.agent.chat_format import ChatFormat
-from training.utils.rl.agent.chat_request import ChatRequest, WireError
+from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError
 from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.agent.server import AgentShim
-from training.utils.rl.agent.session import (
-    ContextOverflowError,
-    SessionTimeoutError,
-    ShimSession,
-)
+from training.utils.rl.agent.session import ShimSession
+from training.utils.rl.agent.sessions import SessionTimeoutError
 from training.utils.rl.rollout.stitching import Segment, TraceIntegrityError
 
 __all__ = [

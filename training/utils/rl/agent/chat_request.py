@@ -1,15 +1,15 @@
-"""The wire-neutral request (`ChatRequest`) both wire formats translate into, and the error a rejected request raises.
+"""The wire-neutral request (`ChatRequest`) every wire format decodes into, and the errors a refused request raises.
 
-Each wire format (`wire_anthropic.py`, `wire_openai.py`) translates a request body into one
-`ChatRequest` of OpenAI-chat-like "chat messages":
+Each wire format (`wire_<name>.py`) decodes a request body into one `ChatRequest` of
+OpenAI-chat-like "chat messages":
 
     {"role": "system" | "user" | "assistant" | "tool", "content": str}
     assistant may add "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": str}}]
                   and "reasoning_content": str
     tool adds "tool_call_id": str
 
-A request the shim cannot take raises `WireError`, which the server answers in the error shape
-of the wire it came in on.
+A request the shim cannot take raises `WireError`, and one that leaves no room to generate
+`ContextOverflowError`; the server answers either in the error shape of the wire it came in on.
 """
 
 from __future__ import annotations
@@ -34,6 +34,30 @@ class WireError(TrainingError, ValueError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.status, self.param, self.code))
+
+
+def overflow_message(prompt_tokens: int, limit: int) -> str:
+    """The shim's own words for a prompt that leaves no room to generate; a wire whose clients act on their
+    provider's words declares those instead (`WireFormat.overflow_message`)."""
+    return (f"the prompt is {prompt_tokens} tokens, which leaves no room to generate within the context limit of "
+            f"{limit} tokens (agent_shim.max_context_tokens); shorten or compact the conversation")
+
+
+class ContextOverflowError(TrainingError, ValueError):
+    """The prompt leaves no room to generate within `max_context_tokens` (HTTP 400, worded as the wire's clients
+    expect)."""
+
+    def __init__(self, message: str, prompt_tokens: int = 0, limit: int = 0):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.prompt_tokens, self.limit))
+
+    def note(self) -> str:
+        """Appended to the wire's overflow message; empty when `prompt_tokens` is the exact count."""
+        return ""
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
-"""Request bodies off the event loop: read within a size limit, parsed and rendered in worker threads.
+"""Request bodies off the event loop: read within a size limit, decoded and rendered in worker threads.
 
 The event loop only moves bytes. Everything whose cost grows with the body runs in threads the
 shim owns (`RequestWorkers`), each wait bounded by `request_timeout_s`:
 
 1. read the body, refusing one over `max_body_bytes` with a 413 (from Content-Length, before
    reading, when the client sends it);
-2. decode and parse it, check it is plain JSON and translate it (`TurnCodec.parse`), in one of
-   `PARSE_THREADS` threads; the raw bytes are freed once decoded and the parsed body once
-   translated, so at most two copies of a large body exist at any time;
+2. turn its bytes into text, parse that as plain JSON and have the wire's codec decode it
+   (`TurnCodec.parse`), in one of `PARSE_THREADS` threads; the raw bytes are freed once read as
+   text and the parsed body once decoded, so at most two copies of a large body exist at any time;
 3. refuse a prompt whose text alone cannot fit the context (`text_token_floor`) before anything
    is rendered: no token stands for more than `longest_token_bytes` of text, so text bytes over
    that length is a lower bound on its tokens;
@@ -18,11 +18,12 @@ shim owns (`RequestWorkers`), each wait bounded by `request_timeout_s`:
    encode from several threads at once, and the shim never reconfigures one (truncation,
    padding), which is what makes a concurrent call fail ("Already borrowed").
 
-A parse hands the GIL over every millisecond (`_GilHandover`): the body is decoded in 1 MiB
-slices, and the C JSON parser calls a Python hook per object that releases the GIL once a
-millisecond has passed. Left to the interpreter, the loop's thread would wait its 5 ms switch
-interval at every wake-up, and a single C call (decoding 40 MB) holds the GIL for ~40 ms. One
-flat array of millions of scalars has no objects to hook and can still hold it ~20 ms per MB.
+A parse hands the GIL over every `_HANDOVER_EVERY_S` (`_GilHandover`): the body is decoded in
+slices, and the C JSON parser calls a Python hook per object that releases the GIL once that
+long has passed. Left to the interpreter, the loop's thread would wait a whole switch interval
+(`sys.getswitchinterval()`) at every wake-up, and one C call (decoding a whole large body) would
+hold the GIL for as long as it runs. One flat array of millions of scalars has no objects to
+hook, so it can still hold the GIL for its whole parse.
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from training.utils.config import AgentShimConfig
 from training.utils.rl.agent import fields
-from training.utils.rl.agent.chat_request import ChatRequest, WireError
-from training.utils.rl.agent.session import ContextOverflowError, PreparedTurn, ShimSession
-from training.utils.rl.agent.wire_format import TurnCodec
+from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError
+
+if TYPE_CHECKING:
+    from training.utils.rl.agent.chat_format import ChatFormat
+    from training.utils.rl.agent.session import PreparedTurn, ShimSession
+    from training.utils.rl.agent.wire_format import TurnCodec
 
 BODY_FLOOR_BYTES = 32 * 2**20
 """The derived body limit is never below the Anthropic Messages API's own (32 MB): a body the real API takes,
@@ -70,7 +74,7 @@ _HANDOVER_EVERY_S = 0.001
 class EstimatedOverflowError(ContextOverflowError):
     """A prompt refused on its text's length alone: `prompt_tokens` is a lower bound, never counted exactly."""
 
-    def wire_note(self) -> str:
+    def note(self) -> str:
         """Appended to the wire's overflow message, which states `prompt_tokens` as if it were exact."""
         return f" (at least {self.prompt_tokens} tokens: a lower bound from the text's length, not tokenized)"
 
@@ -137,7 +141,7 @@ def parse_json(raw: bytearray) -> Any:
 
 
 def parse_turn(raw: bytearray, codec: TurnCodec, token_bytes: int, context_tokens: int | None) -> ChatRequest:
-    """The body translated by `codec`; an `EstimatedOverflowError` when its text alone cannot fit `context_tokens`."""
+    """The body decoded by `codec`; an `EstimatedOverflowError` when its text alone cannot fit `context_tokens`."""
     chat = codec.parse(parse_json(raw))
     if context_tokens:
         size, floor = text_token_floor(chat, token_bytes)
@@ -171,8 +175,8 @@ def _decode(raw: bytearray, handover: _GilHandover) -> str:
 
 
 class _GilHandover:
-    """Releases the GIL for a moment once a millisecond has passed since the last time, so a thread waiting for
-    it (the event loop's) gets it at once rather than after the interpreter's 5 ms switch interval."""
+    """Releases the GIL for a moment once `_HANDOVER_EVERY_S` has passed since the last time, so a thread waiting
+    for it (the event loop's) gets it at once rather than after the interpreter's switch interval."""
 
     def __init__(self):
         self._last = time.perf_counter()
@@ -192,7 +196,7 @@ class _GilHandover:
 class RequestWorkers:
     """The threads a shim's app parses and renders in, and the body and context limits they enforce.
 
-    Built with the app (`AgentShim._make_app`) and shut down with it (`close`, its cleanup).
+    Built with the app (`server.AgentShim`) and shut down with it (`close`, its cleanup).
     """
 
     def __init__(self, tokenizer, cfg: AgentShimConfig):
@@ -226,11 +230,12 @@ class RequestWorkers:
         """`parse` of the body, with no context check (`count_tokens` counts whatever it is sent)."""
         return await self._run(self._parsers, "parsing the request body", lambda: parse(parse_json(raw)))
 
-    async def count_tokens(self, chat_format, chat: ChatRequest) -> int:
+    async def count_tokens(self, chat_format: ChatFormat, chat: ChatRequest) -> int:
         """`chat_format.count_tokens(chat)` in a render thread."""
         return await self._run(self._renderers, "counting the prompt's tokens", chat_format.count_tokens, chat)
 
     async def parse_turn(self, raw: bytearray, codec: TurnCodec) -> ChatRequest:
+        """`parse_turn` of the body: decoded by the wire's `codec`, and refused when its text cannot fit the context."""
         return await self._run(self._parsers, "parsing the request body", parse_turn, raw, codec, self.token_bytes,
                                self.context_tokens)
 

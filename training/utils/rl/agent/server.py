@@ -1,4 +1,4 @@
-"""The agent shim: an aiohttp server that unmodified agents use as their model, and its session API.
+"""The agent shim's HTTP front: its app built from `WIRE_FORMATS`, each request routed to its session and wire.
 
     shim = AgentShim(deployment.sampler, tokenizer, cfg.agent_shim, setup.sample_kwargs)
     await shim.start()
@@ -10,38 +10,16 @@
 
 Endpoints: the routes of every wire format in `WIRE_FORMATS` (Anthropic's `POST /v1/messages`
 and `/v1/messages/count_tokens`, OpenAI's `POST /v1/chat/completions`, JSON or SSE), plus the
-shared `GET /v1/models` and `GET /healthz`.
-The session key comes from `Authorization: Bearer <key>`, then `x-api-key`, then
-`x-multi-turn-session-id`; an unknown or closed session is a 401 and sessions never merge.
-
-One model request, in its session's queue (`session.py` has the per-session steps):
-
-1. translate the body (the wire's `TurnCodec`); a bad request is a 4xx in the wire's error
-   shape and touches no session state;
-2. resolve the turn's parent and render its prompt (`ShimSession.prepare`); no room left in
-   the context is a 400 worded as the wire's clients expect (`WireFormat.overflow_message`);
-3. sample token-in/token-out with the trainer's sampling parameters and the session's
-   affinity key; a failed or timed-out sampler call is a 503;
-4. check the answer against the prompt sent (`check_turn`): a broken trace is a 503, counted
-   as an integrity failure, never zero-filled;
-5. parse the reply as the client is to see it (`reply.py`: the client's stop sequences, how a
-   cut is reported), build the wire response, stage the record of what was sampled (a failure
-   is a 503 "trace recording failed");
-6. send it (JSON, or SSE events), and record the turn only once its content reached the
-   client: a client gone before that leaves nothing recorded.
-
-Steps 1 and 2 run in worker threads (`request_body.py`): the event loop only moves bytes, so a
-huge body delays no other session, and a prompt whose text alone cannot fit the context is
-refused before it is rendered. Every await is bounded by `request_timeout_s`.
+shared `GET /v1/models` and `GET /healthz`. A model call is the top of the path the package
+docstring walks: the session its key names (`sessions.py`), its body decoded by the wire's
+codec in a worker thread (`request_body.py`), then `model_call.py`. Whatever is refused on the
+way is answered in the error shape of the route's wire.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import secrets
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -50,40 +28,28 @@ from aiohttp import web
 
 from training.utils.config import AgentShimConfig
 from training.utils.deploy.http_client import auth_headers
-from training.utils.errors import ConfigError, DeploymentError, RecoverableRolloutError
+from training.utils.errors import ConfigError
 from training.utils.rl.agent import wire_anthropic, wire_openai
 from training.utils.rl.agent.chat_format import ChatFormat
-from training.utils.rl.agent.chat_request import ChatRequest, WireError, refuse_unseen
-from training.utils.rl.agent.reply import client_reply
-from training.utils.rl.agent.request_body import EstimatedOverflowError, RequestWorkers
-from training.utils.rl.agent.session import (
-    COUNTERS,
-    ContextOverflowError,
-    QueueTimeoutError,
-    SessionTimeoutError,
-    ShimSession,
-    StagedTurn,
-)
-from training.utils.rl.agent.wire_format import RouteHandler, TurnCodec, WireFormat
-from training.utils.rl.rollout.stitching import Segment, TraceIntegrityError, check_turn, segments_to_run
+from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError
+from training.utils.rl.agent.model_call import ModelCalls
+from training.utils.rl.agent.request_body import RequestWorkers
+from training.utils.rl.agent.session import ShimSession
+from training.utils.rl.agent.sessions import Sessions
+from training.utils.rl.agent.wire_format import Route, TurnCodec, WireFormat
+from training.utils.rl.rollout.stitching import Segment
 from training.utils.rl.rollout.types import RolloutRun
 
 logger = logging.getLogger(__name__)
 
-SESSION_HEADERS = ("authorization", "x-api-key", "x-multi-turn-session-id")
-"""Where the session key is read from, in this order (`Authorization` as `Bearer <key>`)."""
-
-# Closed keys remembered so a late request hears "session is closed" rather than "unknown".
-_CLOSED_KEYS_KEPT = 10_000
-
 # How long `start` waits for the deployment to say its context length.
 _CONTEXT_QUERY_TIMEOUT_S = 10.0
 
-# What a sampler call may fail with that is the deployment's fault, not the request's.
-_SAMPLING_FAILURES = (DeploymentError, RecoverableRolloutError, TimeoutError, ConnectionError, aiohttp.ClientError)
-
 REQUEST_WORKERS = web.AppKey("request_workers", RequestWorkers)
 """The app's worker threads and body limits (`request_body.RequestWorkers`), built and shut down with it."""
+
+MODEL_CALLS = web.AppKey("model_calls", ModelCalls)
+"""The app's model-call flow (`model_call.ModelCalls`), built with it."""
 
 WIRE_FORMATS: dict[str, WireFormat] = {wire.name: wire for wire in (wire_anthropic.WIRE, wire_openai.WIRE)}
 """Every wire format the server speaks, by name. A new one is a `wire_*.py` module declaring a `WireFormat`
@@ -96,8 +62,8 @@ class AgentShim:
     `sampler` is the deployment's token-in/token-out client (`deployment.sampler`);
     `sample_kwargs` the trainer's sampling parameters (`setup.sample_kwargs`: max_tokens,
     temperature, top_p, top_k, stop, timeout), which override whatever a client asks for
-    except a smaller max_tokens and extra stop sequences. `chat_format` renders prompts
-    (default: `ChatFormat(tokenizer)`, the tokenizer's own chat template).
+    except a smaller max_tokens and extra stop sequences. Prompts are rendered with the
+    tokenizer's own chat template (`chat_format.ChatFormat`).
 
     `context_tokens` is the deployment's context length (prompt + reply); None asks the
     deployment at `start` (`GET /v1/models`, its `max_model_len`, as the embedded engine, vLLM
@@ -116,7 +82,6 @@ class AgentShim:
         cfg: AgentShimConfig,
         sample_kwargs: dict[str, Any],
         *,
-        chat_format: ChatFormat | None = None,
         model_name: str = "policy",
         context_tokens: int | None = None,
     ):
@@ -126,17 +91,14 @@ class AgentShim:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.sample_kwargs = dict(sample_kwargs)
-        self.chat_format = chat_format if chat_format is not None else ChatFormat(tokenizer)
+        self.chat_format = ChatFormat(tokenizer)
         self.model_name = model_name
         """Reported by `GET /v1/models` and in replies to clients that send no model name."""
         self.context_tokens = context_tokens
         """The deployment's context length; None until `start` asks the deployment (and if it does not say)."""
         self.base_url: str | None = None
         self._runner: web.AppRunner | None = None
-        self._sessions: dict[str, ShimSession] = {}
-        self._closed_keys: OrderedDict[str, None] = OrderedDict()
-        self._finished_totals: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._sessions_finished = 0
+        self._sessions = Sessions()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -167,37 +129,27 @@ class AgentShim:
 
     async def close(self) -> None:
         """Stop serving; sessions still open record nothing more. Close it before the deployment."""
-        for session in self._sessions.values():
-            session.closed = True
-            session.stop_recording()
+        self._sessions.close_all()
         runner, self._runner, self.base_url = self._runner, None, None
         if runner is not None:
             await runner.cleanup()
 
-    # ------------------------------------------------------------------ sessions
+    # ------------------------------------------------------------------ sessions (the rollout's API)
 
     def open_session(self, run_id: str | None = None) -> ShimSession:
         """A new session with a fresh key (the agent's API key) and a fresh affinity key."""
         if self.base_url is None:
             raise RuntimeError("the agent shim is not running; await shim.start() before open_session()")
-        key = "shim-" + secrets.token_hex(16)
-        session = ShimSession(
-            key,
+        return self._sessions.add(ShimSession(
+            "shim-" + secrets.token_hex(16),
             self.base_url,
             "aff-" + secrets.token_hex(16),
             run_id,
             chat_format=self.chat_format,
             tokenizer=self.tokenizer,
-            template_kwargs=self.chat_format.template_kwargs,
             cfg=self.cfg,
             max_tokens=self.sample_kwargs["max_tokens"],
-        )
-        self._sessions[key] = session
-        return session
-
-    def session(self, key: str) -> ShimSession:
-        """The open session with this key (KeyError if there is none)."""
-        return self._sessions[key]
+        ))
 
     async def finish_session(
         self, key: str, reward: float | None = None, timeout: float = 30.0
@@ -209,81 +161,25 @@ class AgentShim:
         segments (chains the session left "branch", the current leaf "final"); with
         it, one `RolloutRun` of them all sharing `reward` (None when nothing is trainable).
         """
-        session = self._sessions.get(key)
-        if session is None:
-            state = "already finished" if key in self._closed_keys else "unknown"
-            raise KeyError(f"no open agent-shim session with this key ({state})")
-        session.closed = True
-        self._remember_closed(key)
-        try:
-            await session.queue.drained(timeout)
-        except TimeoutError:
-            session.stop_recording()
-            raise SessionTimeoutError(
-                f"agent-shim session {session.run_id or key[:13]!r} still had a request in flight after {timeout:g}s"
-            ) from None
-        finally:
-            self._retire(session)
-        if session.unrecorded_replies:
-            raise TraceIntegrityError(
-                f"agent-shim session {session.run_id or key[:13]!r}: {session.unrecorded_replies} reply(ies) reached "
-                f"the agent but could not be recorded ({session.first_error}); the trace has a hole"
-            )
-        segments = session.segments()
-        if reward is None:
-            return segments
-        return segments_to_run(segments, reward, run_id=session.run_id, metadata=session.summary())
+        return await self._sessions.finish(key, reward, timeout)
 
     def discard_session(self, key: str) -> None:
         """Drop a session without materializing it (e.g. its rollout was cancelled); unknown keys are ignored."""
-        session = self._sessions.get(key)
-        if session is None:
-            return
-        session.closed = True
-        session.stop_recording()
-        self._remember_closed(key)
-        self._retire(session)
+        self._sessions.discard(key)
 
     @property
     def stats(self) -> dict[str, int]:
         """Counters summed over every session (open and finished), plus session counts."""
-        totals = dict(self._finished_totals)
-        for session in self._sessions.values():
-            for name, value in session.counters.items():
-                totals[name] += value
-        totals["sessions_open"] = len(self._sessions)
-        totals["sessions_finished"] = self._sessions_finished
-        return totals
-
-    def _retire(self, session: ShimSession) -> None:
-        if self._sessions.pop(session.key, None) is not None:
-            for name, value in session.counters.items():
-                self._finished_totals[name] += value
-            self._sessions_finished += 1
-
-    def _remember_closed(self, key: str) -> None:
-        self._closed_keys[key] = None
-        while len(self._closed_keys) > _CLOSED_KEYS_KEPT:
-            self._closed_keys.popitem(last=False)
+        return self._sessions.stats()
 
     # ------------------------------------------------------------------ what route handlers call (WireServer)
 
     def session_for(self, request: web.Request) -> ShimSession:
         """The open session whose key the request presents; a WireError 401 otherwise."""
-        keys = _presented_keys(request)
-        if not keys:
-            raise WireError("no session key: send it as 'Authorization: Bearer <key>', 'x-api-key' or "
-                            "'x-multi-turn-session-id'", status=401)
-        for key in keys:
-            session = self._sessions.get(key)
-            if session is not None and not session.closed:
-                return session
-        if any(key in self._sessions or key in self._closed_keys for key in keys):
-            raise WireError("session is closed", status=401)
-        raise WireError("unknown session key", status=401)
+        return self._sessions.for_request(request)
 
     async def count_tokens(self, request: web.Request, parse: Callable[[Any], ChatRequest]) -> int:
-        """The prompt tokens of the request body as `parse` translates it, parsed and rendered in worker threads;
+        """The prompt tokens of the request body as `parse` decodes it, parsed and rendered in worker threads;
         a WireError 413 (too large), 408 (too slow) or 400 (not UTF-8 JSON, NaN or Infinity, nesting past
         `fields.MAX_DEPTH`, a lone surrogate anywhere, or a field `parse` refuses)."""
         workers = request.app[REQUEST_WORKERS]
@@ -291,23 +187,18 @@ class AgentShim:
         return await workers.count_tokens(self.chat_format, chat)
 
     async def model_call(self, request: web.Request, codec: TurnCodec) -> web.StreamResponse:
-        """Answer one model request in its session's queue and record the turn (steps 1-6 of this module)."""
-        session = self.session_for(request)
+        """Answer one model request and record the turn: its session, its body decoded by `codec`, then the flow
+        every wire shares (`model_call.ModelCalls`), which encodes the reply with `codec` again."""
+        session = self._sessions.for_request(request)
         workers = request.app[REQUEST_WORKERS]
-        # 1. Translate before queueing, in a worker thread: a bad request waits for nothing and changes nothing,
+        # Decoded before queueing, in a worker thread: a bad request waits for nothing and changes nothing,
         # and a prompt whose text alone cannot fit the context is refused before anything is rendered.
         try:
             chat = await workers.parse_turn(await workers.read(request), codec)
         except ContextOverflowError:
             session.count("context_overflows")
             raise
-        try:
-            async with session.queue.turn(self.cfg.request_timeout_s):
-                if session.closed:
-                    raise WireError("session is closed", status=401)
-                return await self._turn(request, session, chat, codec)
-        except QueueTimeoutError as e:
-            raise WireError(str(e), status=503) from None
+        return await request.app[MODEL_CALLS].answer(request, session, chat, codec)
 
     # ------------------------------------------------------------------ HTTP plumbing
 
@@ -316,27 +207,29 @@ class AgentShim:
         workers = RequestWorkers(self.tokenizer, self.cfg)
         app = web.Application(middlewares=[_error_middleware(wires)], client_max_size=workers.max_body_bytes)
         app[REQUEST_WORKERS] = workers
+        app[MODEL_CALLS] = ModelCalls(self.sampler, self.sample_kwargs, self.chat_format, self.cfg, self.model_name,
+                                      workers)
         app.on_cleanup.append(workers.close)
         for wire in wires:
             for route in wire.routes:
-                app.router.add_route(route.method, route.path, self._serve(wire, route.handler))
+                app.router.add_route(route.method, route.path, self._serve(wire, route))
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
         return app
 
-    def _serve(self, wire: WireFormat, handler: RouteHandler):
-        """An aiohttp handler for one route of `wire`: what it rejects is answered in that wire's error shape."""
+    def _serve(self, wire: WireFormat, route: Route):
+        """An aiohttp handler for one route of `wire`: what it refuses is answered in that wire's error shape."""
 
         async def serve(request: web.Request) -> web.StreamResponse:
             try:
-                return await handler(self, request)
+                if route.codec is not None:
+                    return await self.model_call(request, route.codec)
+                return await route.handler(self, request)
             except WireError as e:
                 return wire.error_response(e.status, str(e), param=e.param, code=e.code)
             except ContextOverflowError as e:
                 # Clients recognise an overflow by its wording (Claude Code then compacts), so each wire has its own.
-                message = wire.overflow_message(e.prompt_tokens, e.limit)
-                if isinstance(e, EstimatedOverflowError):
-                    message += e.wire_note()
+                message = wire.overflow_message(e.prompt_tokens, e.limit) + e.note()
                 return wire.error_response(400, message, param="messages", code="context_length_exceeded")
 
         return serve
@@ -359,122 +252,6 @@ class AgentShim:
     async def _healthz(self, request: web.Request) -> web.Response:
         limit = request.app[REQUEST_WORKERS].max_body_bytes
         return web.json_response({"status": "ok", "sessions_open": len(self._sessions), "max_body_bytes": limit})
-
-    # ------------------------------------------------------------------ one model call, steps 2-6
-
-    async def _turn(self, request: web.Request, session: ShimSession, chat: ChatRequest, codec: TurnCodec):
-        # Content the model cannot see is refused unless placeholders were asked for: the agent must not
-        # believe the model read a file it never saw.
-        if self.cfg.unseen_content == "refuse":
-            refuse_unseen(chat.unseen)
-        # 2. Parent and prompt.
-        # No room left is a ContextOverflowError: `_serve` words it the wire's way.
-        prepared = await request.app[REQUEST_WORKERS].prepare(session, chat)
-        # 3. Sample with the trainer's parameters and the session's affinity key.
-        try:
-            sampling = self._sample(session, prepared.prompt_ids, prepared.max_tokens, chat.stop)
-            completions = await asyncio.wait_for(sampling, self.cfg.request_timeout_s)
-        except _SAMPLING_FAILURES as e:
-            session.count("sampling_failures")
-            logger.warning("agent shim session %s: sampling failed: %r", session.run_id or session.key[:13], e)
-            # The deployment rejected the request itself (a 4xx): retrying cannot help, so neither
-            # may the client; anything else (timeouts, 5xx after retries) is a transient 503.
-            status = 400 if isinstance(e, DeploymentError) and not isinstance(e, RecoverableRolloutError) else 503
-            raise WireError(f"sampling failed: {e or type(e).__name__}", status=status) from None
-        # 4. The answer must be exactly what was asked for.
-        try:
-            if len(completions) != 1:
-                raise TraceIntegrityError(f"asked the sampler for 1 completion, got {len(completions)}")
-            record = check_turn(prepared.prompt_ids, completions[0])
-        except TraceIntegrityError as e:
-            session.count("sampling_failures")
-            session.count("integrity_failures")
-            session.first_error = session.first_error or str(e)
-            logger.warning("agent shim session %s: trace integrity: %s", session.run_id or session.key[:13], e)
-            raise WireError(f"trace integrity check failed: {e}", status=503) from None
-        # 5. Reply (the client's view: `reply.py`) and staged record (what was sampled).
-        reply = client_reply(self.chat_format, record, chat, limited_by=prepared.limited_by,
-                             trainer_stop=list(self.sample_kwargs.get("stop") or []),
-                             report_trainer_cap_as=self.cfg.report_trainer_cap_as)
-        if reply.parsed.parser_fallback:
-            session.count("parser_fallbacks")
-        response_id = codec.new_id()
-        response = codec.respond(
-            reply.parsed, response_id, model=chat.model or self.model_name, finish_reason=reply.finish_reason,
-            stop_sequence=reply.stop_sequence, token_logprobs=reply.token_logprobs,
-            prompt_tokens=len(record.prompt_ids), output_tokens=len(record.output_ids),
-        )
-        try:
-            staged = session.stage(prepared, completions[0], record, reply.parsed, codec.echo(response), response_id)
-        except Exception as e:  # noqa: BLE001 - the client must not build on a turn we cannot record
-            session.count("recording_failures")
-            session.first_error = session.first_error or f"trace recording failed: {e!r}"
-            logger.exception("agent shim session %s: trace recording failed", session.run_id or session.key[:13])
-            raise WireError(f"trace recording failed: {e!r}", status=503) from None
-        # 6. Send, then record.
-        return await self._deliver(request, session, staged, response, codec, chat)
-
-    async def _sample(self, session: ShimSession, prompt_ids: list[int], max_tokens: int, client_stop: list[str]):
-        kw = self.sample_kwargs
-        stop = list(dict.fromkeys([*(kw.get("stop") or []), *client_stop]))
-        return await self.sampler.sample(
-            prompt_ids,
-            1,
-            max_tokens=max_tokens,
-            temperature=kw.get("temperature", 1.0),
-            top_p=kw.get("top_p", 1.0),
-            top_k=kw.get("top_k", 0),
-            stop=stop or None,
-            timeout=kw.get("timeout"),
-            user=session.affinity,
-        )
-
-    async def _deliver(
-        self, request: web.Request, session: ShimSession, staged: StagedTurn, response: dict, codec: TurnCodec,
-        chat: ChatRequest,
-    ) -> web.StreamResponse:
-        """Write the reply; record the turn once its content is written. A client gone before that records nothing."""
-        timeout = self.cfg.request_timeout_s
-        resp: web.StreamResponse | None = None
-        recorded = False
-        try:
-            if not chat.stream:
-                body = json.dumps(response, ensure_ascii=False).encode()
-                resp = web.Response(body=body, content_type="application/json")
-                await asyncio.wait_for(resp.prepare(request), timeout)
-                await asyncio.wait_for(resp.write_eof(), timeout)
-                recorded = self._record(session, staged)
-                return resp
-            events = codec.stream(response, chat)
-            content, closing = events[:-2], events[-2:]
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await asyncio.wait_for(resp.prepare(request), timeout)
-            for event in content:  # write() waits out flow control: each event is in the socket when it returns
-                await asyncio.wait_for(resp.write(event), timeout)
-            # The client holds the whole reply now; the closing events only end the stream.
-            recorded = self._record(session, staged)
-            for event in closing:
-                await asyncio.wait_for(resp.write(event), timeout)
-            await asyncio.wait_for(resp.write_eof(), timeout)
-            return resp
-        except (ConnectionError, TimeoutError) as e:
-            if not recorded:
-                session.count("client_disconnects")
-                logger.info("agent shim session %s: client gone before the reply was written (%r); not recorded",
-                            session.run_id or session.key[:13], e)
-            # Nothing more can reach the client; aiohttp drops the connection when it finishes this response.
-            return resp if resp is not None else web.Response(status=499)
-
-    def _record(self, session: ShimSession, staged: StagedTurn) -> bool:
-        try:
-            session.commit(staged)
-        except Exception as e:  # noqa: BLE001 - the reply is already out: count it, and fail the session at finish
-            session.count("recording_failures")
-            session.unrecorded_replies += 1
-            session.first_error = session.first_error or f"recording a delivered reply failed: {e!r}"
-            logger.exception("agent shim session %s: recording a delivered reply failed",
-                             session.run_id or session.key[:13])
-        return True
 
 
 async def served_context_tokens(sampler: Any, timeout_s: float = _CONTEXT_QUERY_TIMEOUT_S) -> int | None:
@@ -506,18 +283,6 @@ def shim_context_tokens(cfg: AgentShimConfig, served: int | None) -> int | None:
             f"{served} tokens; leave it unset to use the deployment's, or lower it"
         )
     return cfg.max_context_tokens
-
-
-def _presented_keys(request: web.Request) -> list[str]:
-    keys = []
-    for header in SESSION_HEADERS:
-        value = request.headers.get(header, "").strip()
-        if header == "authorization":
-            scheme, _, value = value.partition(" ")
-            value = value.strip() if scheme.lower() == "bearer" else ""
-        if value and value not in keys:
-            keys.append(value)
-    return keys
 
 
 def _error_middleware(wires: list[WireFormat]):

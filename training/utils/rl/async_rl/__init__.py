@@ -12,7 +12,7 @@ Rows come from `training.utils.rl.dataset.DurableRowSource` and all model work r
 from training.utils.rl.async_rl.coordinator import AcceptedRow, Batch, BatchCoordinator, Chunk, balanced_chunk_targets
 from training.utils.rl.async_rl.errors import CircuitBreaker, RolloutStallError
 from training.utils.rl.async_rl.gate import OffPolicyGate
-from training.utils.rl.async_rl.producer import RolloutProducer, make_draw_fn
+from training.utils.rl.async_rl.producer import RolloutProducer
 
 __all__ = [
     "AcceptedRow",
@@ -24,5 +24,4 @@ __all__ = [
     "RolloutProducer",
     "RolloutStallError",
     "balanced_chunk_targets",
-    "make_draw_fn",
 ]

@@ -5,11 +5,10 @@ split into K chunks (`balanced_chunk_targets`); a chunk is handed to the trainer
 as it is full, so the first chunk trains while the rest of the batch is still rolling
 out. Batch ids equal the policy version they publish: batch k trains on version k−1.
 
-The trainer side is three calls, in order, for each batch:
-
-    batch = await coordinator.next_batch()          # None when the run has no more rows
-    while (chunk := await coordinator.next_chunk(batch)) is not None: ...
-    coordinator.publish(batch, weights_version)     # after the weight sync succeeded
+The trainer takes batches through the producer that owns this coordinator, three calls in
+order for each batch (`RolloutProducer.next_batch`, `.next_chunk`, `.publish`); the producer
+passes what the waits need to know of it (whether rows are in flight, what is outstanding)
+explicitly.
 
 Every wait is bounded by `stall_timeout_s`; running past it raises `RolloutStallError`
 with the producer's own account of what is outstanding. A producer failure is re-raised
@@ -111,11 +110,6 @@ class BatchCoordinator:
         self._finished = False
         self._failure: BaseException | None = None
         self._changed = asyncio.Event()
-        # Set by the producer when it starts: wakes it on publication, says whether it is idle,
-        # and describes what is outstanding for stall errors.
-        self.on_publish: Callable[[Batch], None] = lambda batch: None
-        self.producer_idle: Callable[[], bool] = lambda: True
-        self.describe_producer: Callable[[], str] = lambda: "no producer attached"
         # Rows rejected since the last `take_rejected()`, for the step's rollout metrics.
         self.rejected_since_last_step: list[SettledRow] = []
         self.rejections_since_last_step: Counter = Counter()
@@ -188,8 +182,10 @@ class BatchCoordinator:
 
     # ---- trainer side -----------------------------------------------------------------
 
-    async def next_batch(self) -> Batch | None:
-        """The next batch once its first chunk is ready (sealed and drained in synchronous mode)."""
+    async def next_batch(self, *, producer_idle: Callable[[], bool], describe_producer: Callable[[], str]
+                         ) -> Batch | None:
+        """The next batch once its first chunk is ready (sealed, and no row in flight (`producer_idle`), in
+        synchronous mode); a stall error says what is outstanding (`describe_producer`)."""
         if self._active is not None:
             raise RuntimeError(f"next_batch() before batch {self._active.id} was published")
         start = time.monotonic()
@@ -199,10 +195,10 @@ class BatchCoordinator:
                 return self._finished
             head = self._batches[0]
             if self.synchronous:
-                return head.sealed and self.producer_idle()
+                return head.sealed and producer_idle()
             return bool(head.chunks)
 
-        await self._wait(ready, lambda: f"the first chunk of batch {self._next_id_waited()}")
+        await self._wait(ready, lambda: f"the first chunk of batch {self._next_id_waited()}", describe_producer)
         if not self._batches:
             return None
         batch = self._batches[0]
@@ -210,13 +206,14 @@ class BatchCoordinator:
         self._active = batch
         return batch
 
-    async def next_chunk(self, batch: Batch) -> Chunk | None:
+    async def next_chunk(self, batch: Batch, *, describe_producer: Callable[[], str]) -> Chunk | None:
         """The batch's next chunk, or None once every chunk of the sealed batch was handed out."""
         start = time.monotonic()
         await self._wait(
             lambda: batch.consumed < len(batch.chunks) or batch.sealed,
             lambda: f"chunk {batch.consumed + 1}/{len(batch.chunk_targets)} of batch {batch.id} "
             f"({batch.size}/{sum(batch.chunk_targets)} groups accepted)",
+            describe_producer,
         )
         batch.rollout_wait_s += time.monotonic() - start
         if batch.consumed == len(batch.chunks):
@@ -225,14 +222,14 @@ class BatchCoordinator:
         return batch.chunks[batch.consumed - 1]
 
     def publish(self, batch: Batch, weights_version: int) -> None:
-        """The batch trained and its weights are served: make its rows durable, widen the gate."""
+        """The batch trained and its weights are served: it leaves the queue (`RolloutProducer.publish` does the
+        rest of a publication)."""
         if batch is not self._active or not batch.sealed or batch.consumed != len(batch.chunks):
             raise RuntimeError(f"publish(batch {batch.id}) before it was fully trained")
         self._batches.pop(0)
         self._active = None
         self.published_version = batch.id
         self.weights_version = weights_version
-        self.on_publish(batch)
 
     def take_rejected(self) -> tuple[list[SettledRow], Counter]:
         """Rows rejected since the last call, and the rejections counted by reason."""
@@ -243,7 +240,8 @@ class BatchCoordinator:
     def _next_id_waited(self) -> int:
         return self._batches[0].id if self._batches else self.fill_batch_id
 
-    async def _wait(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:
+    async def _wait(self, ready: Callable[[], bool], what: Callable[[], str],
+                    describe_producer: Callable[[], str]) -> None:
         deadline = time.monotonic() + self.stall_timeout_s
         while True:
             if self._failure is not None:
@@ -261,5 +259,5 @@ class BatchCoordinator:
                     raise self._failure from None
                 raise RolloutStallError(
                     f"the trainer waited {self.stall_timeout_s:g}s (stall_timeout_s) for {what()}; "
-                    f"{self.describe_producer()}"
+                    f"{describe_producer()}"
                 ) from None

@@ -40,6 +40,15 @@ class GateSnapshot:
 
 
 class OffPolicyGate:
+    @staticmethod
+    def check_concurrency(max_concurrency: int | None, group_size: int) -> None:
+        """C ≥ G, the one home of the rule (the config checks it too, so it fails at construction)."""
+        if max_concurrency is not None and max_concurrency < group_size:
+            raise ConfigError(
+                f"max_concurrency_rollout_sample={max_concurrency} is below completions_per_prompt={group_size}: "
+                "admission is row-atomic, so no row could ever start"
+            )
+
     def __init__(
         self,
         *,
@@ -51,11 +60,7 @@ class OffPolicyGate:
         accepted_samples: int = 0,
         max_batches: int | None = None,
     ):
-        if max_concurrency is not None and max_concurrency < group_size:
-            raise ConfigError(
-                f"max_concurrency_rollout_sample={max_concurrency} is below completions_per_prompt={group_size}: "
-                "admission is row-atomic, so no row could ever start"
-            )
+        self.check_concurrency(max_concurrency, group_size)
         self.G = group_size
         self.B = group_size * groups_per_batch
         self.O = max_offpolicy_versions

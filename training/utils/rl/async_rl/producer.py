@@ -6,10 +6,15 @@ One asyncio task. Its loop:
      tagged with the served policy version (`submit_version`).
   2. Wait for a finished call or a publication.
   3. Retire finished calls in submission order. A row settles when all G calls returned or
-     dropped: with at least `min_group_size` runs it becomes a group (advantages, then the
-     user's filter) and goes to the coordinator; with fewer it is re-run (all G calls) up to
-     `max_incomplete_group_retries` times, then rejected. Rejected rows free their gate slots
-     and are durable at once; accepted rows become durable when their batch is published.
+     dropped, by the rule both recipes share (`groups.settle_attempt`): with enough runs it
+     becomes a group (unless the estimator or the user's filter rejects it) and goes to the
+     coordinator; with fewer it is re-run (all G calls) up to `max_incomplete_group_retries`
+     times, then rejected. Rejected rows free their gate slots and are durable at once;
+     accepted rows become durable when their batch is published.
+
+The trainer takes its batches from the producer (`next_batch`, `next_chunk`) and publishes to
+it (`publish`): one object, so a publication is one call that moves the coordinator, the gate,
+the durable cursor and admission together.
 
 Dropped draws (`None` returns, timeouts, connection errors, HTTP 408/429/5xx,
 `RecoverableRolloutError`) feed the circuit breaker; any other exception from a rollout stops the run with its own
@@ -22,22 +27,20 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from training.utils.rl.async_rl.coordinator import AcceptedRow, Batch, BatchCoordinator
+from training.utils.rl.async_rl.coordinator import AcceptedRow, Batch, BatchCoordinator, Chunk
 from training.utils.rl.async_rl.errors import CircuitBreaker, RolloutStallError
 from training.utils.rl.async_rl.gate import OffPolicyGate
 from training.utils.rl.dataset import DurableRowSource, RowItem
-from training.utils.rl.groups import SettledRow
-from training.utils.rl.rollout.invoke import NONE_RETURNED, DrawResult, draw_context, run_draw
+from training.utils.rl.groups import SettledRow, settle_attempt
+from training.utils.rl.rollout.invoke import NONE_RETURNED, DrawFn, DrawResult
 from training.utils.rl.rollout.types import PromptGroup
 
 log = logging.getLogger("training.async_rl")
 
-DrawFn = Callable[[RowItem, int, int], Awaitable[DrawResult]]
-"""`draw(item, sample_index, submit_version)`: one rollout_fn call, a run or a counted drop."""
 GroupFn = Callable[[SettledRow], tuple[PromptGroup | None, str]]
 """`build(settled)`: the row's group, or None and the reason it was rejected (e.g. "filtered")."""
 GAUGE_MEANS = {
@@ -49,19 +52,6 @@ GAUGE_MEANS = {
 """Per-step time-weighted means of gate gauges (`take_gauge_means`): step metric → `GateSnapshot` field."""
 
 
-def make_draw_fn(rollout_fn, context_keys: tuple[str, ...], *, rows_per_epoch: int, vocab_size: int | None,
-                 timeout_s: float) -> DrawFn:
-    """Bind the user's rollout function to the context of one draw (README: What you write)."""
-
-    async def draw(item: RowItem, sample_index: int, submit_version: int) -> DrawResult:
-        context = draw_context(item, rows_per_epoch=rows_per_epoch, sample_index=sample_index,
-                               submit_version=submit_version)
-        return await run_draw(rollout_fn, item.row, context, context_keys, row_id=item.row_id,
-                              draw_index=sample_index, vocab_size=vocab_size, timeout_s=timeout_s)
-
-    return draw
-
-
 @dataclass
 class _PendingRow:
     item: RowItem
@@ -70,7 +60,8 @@ class _PendingRow:
     submit_version: int
     submitted_at: float
     results: dict[int, DrawResult] = field(default_factory=dict)
-    drops: Counter = field(default_factory=Counter)
+    earlier_drops: Counter = field(default_factory=Counter)
+    """Drops of the row's earlier attempts."""
 
 
 @dataclass
@@ -135,9 +126,6 @@ class RolloutProducer:
         self._gauges_since = clock()
         self.published_accepted_samples = gate.accepted_samples
         """Accepted samples of published batches: the gate's offset when the run resumes."""
-        coordinator.on_publish = self._on_publish
-        coordinator.producer_idle = lambda: not self._pending
-        coordinator.describe_producer = self.describe
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -207,13 +195,31 @@ class RolloutProducer:
             events.append(self._events.get_nowait())
         return events
 
-    def _on_publish(self, batch: Batch) -> None:
+    # ---- the trainer's side ---------------------------------------------------------------
+
+    async def next_batch(self) -> Batch | None:
+        """The next batch to train once its first chunk is ready; None when the run has no more rows."""
+        return await self.coordinator.next_batch(producer_idle=lambda: not self._pending,
+                                                 describe_producer=self.describe)
+
+    async def next_chunk(self, batch: Batch) -> Chunk | None:
+        """The batch's next chunk, or None once the sealed batch was handed out whole."""
+        return await self.coordinator.next_chunk(batch, describe_producer=self.describe)
+
+    def publish(self, batch: Batch, weights_version: int) -> None:
+        """The batch trained and the deployment serves `weights_version`: the coordinator lets the batch go, the
+        gate widens, its rows become durable, and admission wakes up."""
+        self.coordinator.publish(batch, weights_version)
         self._track_gauges()
         self.gate.publish(batch.id)
         self.published_accepted_samples += len(batch.rows) * self.gate.G
         for row in batch.rows:
             self.source.mark_durable(row.item.cursor_index)
         self._events.put_nowait(None)
+
+    def take_rejected(self) -> tuple[list[SettledRow], Counter]:
+        """Rows rejected since the last call, and the rejections counted by reason."""
+        return self.coordinator.take_rejected()
 
     # ---- admission ----------------------------------------------------------------------
 
@@ -230,11 +236,12 @@ class RolloutProducer:
             admitted += 1
         return admitted
 
-    def _start_attempt(self, item: RowItem, attempt: int, drops: Counter | None = None) -> None:
+    def _start_attempt(self, item: RowItem, attempt: int, earlier_drops: Counter | None = None) -> None:
         """Start all G calls of one attempt at a row; a retry carries the earlier attempts' drop counts."""
         self._seq += 1
         version = self.coordinator.weights_version
-        pending = _PendingRow(item, self._seq, attempt, version, self._clock(), drops=Counter(drops or {}))
+        pending = _PendingRow(item, self._seq, attempt, version, self._clock(),
+                              earlier_drops=Counter(earlier_drops or {}))
         self._pending[self._seq] = pending
         for sample_index in range(self.gate.G):
             task = asyncio.ensure_future(self.draw(item, sample_index, version))
@@ -257,8 +264,6 @@ class RolloutProducer:
         pending.results[sample_index] = result
         if result.drop_reason is not None:
             self.counters.draws_dropped += 1
-            pending.drops[result.drop_reason] += 1
-        if result.drop_reason is not None:
             if result.drop_reason != NONE_RETURNED:
                 self.counters.recoverable_errors += 1
             if self.breaker.failures_total == 0 or (self.breaker.failures_total + 1) % 10 == 0:
@@ -272,19 +277,18 @@ class RolloutProducer:
             self._settle(pending)
 
     def _settle(self, pending: _PendingRow) -> None:
-        runs = [pending.results[i].run for i in sorted(pending.results) if pending.results[i].run is not None]
         item = pending.item
-        settled = SettledRow(item.row_id, item.row, runs, pending.drops, pending.attempt,
-                             submit_version=pending.submit_version)
-        if len(runs) < self.min_group_size:
-            if pending.attempt <= self.max_retries:
-                self.counters.incomplete_group_retries += 1
-                self._track_gauges()
-                self.gate.retry_row()
-                self._start_attempt(item, pending.attempt + 1, pending.drops)
-                return
-            settled.rejected = True
-            return self._reject(settled, item, "incomplete")
+        settled, drops = settle_attempt(
+            item, [pending.results[i] for i in sorted(pending.results)], attempt=pending.attempt,
+            earlier_drops=pending.earlier_drops, submit_version=pending.submit_version,
+            min_group_size=self.min_group_size, max_retries=self.max_retries,
+        )
+        if settled is None:
+            self.counters.incomplete_group_retries += 1
+            self._track_gauges()
+            self.gate.retry_row()
+            self._start_attempt(item, pending.attempt + 1, drops)
+            return
         group, reason = self.build_group(settled)
         if group is None:
             return self._reject(settled, item, reason)

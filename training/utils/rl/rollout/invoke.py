@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,25 @@ class DrawResult:
     run: RolloutRun | None
     drop_reason: str | None = None
     error: BaseException | None = None
+
+
+DrawFn = Callable[[RowItem, int, int], Awaitable[DrawResult]]
+"""`draw(item, sample_index, submit_version)`: one rollout_fn call, a run or a counted drop."""
+
+
+def bind_draws(rollout_fn: Callable, *, rows_per_epoch: int, vocab_size: int | None, timeout_s: float,
+               evaluation: bool = False) -> DrawFn:
+    """The user's rollout function bound to the context of each draw: the one place both recipes and
+    `rollout_evaluation` call it from. Its declared context keys are read (and checked) here, once."""
+    context_keys = context_params(rollout_fn)
+
+    async def draw(item: RowItem, sample_index: int, submit_version: int) -> DrawResult:
+        context = draw_context(item, rows_per_epoch=rows_per_epoch, sample_index=sample_index,
+                               submit_version=submit_version, evaluation=evaluation)
+        return await run_draw(rollout_fn, item.row, context, context_keys, row_id=item.row_id,
+                              draw_index=sample_index, vocab_size=vocab_size, timeout_s=timeout_s)
+
+    return draw
 
 
 async def run_draw(

@@ -14,7 +14,9 @@ The default fingerprinter hashes each normalized message (`[H(system)] + [H(m) f
 messages]`), so what a client may legitimately re-serialize (cache markers, tool-call
 `index`, argument whitespace and key order, reasoning it does not echo) is not identity.
 `resolve_parent` matches a request against the units of *(request + the reply the shim
-returned)* of every recorded node, so each request gets an explicit parent in the turn tree.
+returned)* of every recorded node, so each request gets an explicit parent in the turn tree,
+and `turn_label` names what a WIPE is: a *branch* (it resumes an earlier point: a retry, an
+edited history) or a *compaction* (it matches no recorded turn: a summary, a sub-agent).
 Everything here is pure: no I/O, no session state.
 """
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -231,3 +233,19 @@ def resolve_parent(
     matched = classify(stored_units, incoming_units).matched_prefix_len
     kind = TurnKind.WIPE if response_units else TurnKind.NEW
     return TurnDecision(kind, matched, parent=None)
+
+
+def turn_label(decision: TurnDecision, incoming_units: Sequence, root_units: Iterable[Sequence]) -> str:
+    """What a matched request is, as a session counts it: "new", "append", or for a WIPE "branch" or "compaction".
+
+    A WIPE is a branch when it resumes an earlier point than the latest turn: it continues an earlier
+    turn (`decision.parent`), or starts like a recorded first request (`root_units`: the units of each
+    root turn's request), as a retry or an edited history does. It is a compaction when it matches no
+    recorded turn at all: the client summarised, or a sub-agent started.
+    """
+    if decision.kind is not TurnKind.WIPE:
+        return decision.kind.value
+    if decision.parent is not None:
+        return "branch"
+    retries_a_first_turn = any(common_prefix_len(root, incoming_units) == len(root) for root in root_units)
+    return "branch" if retries_a_first_turn else "compaction"

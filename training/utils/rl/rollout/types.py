@@ -3,8 +3,8 @@
 `rollout_fn(row, **ctx)` returns a `RolloutSample` (one segment), a `RolloutRun` (several
 segments sharing one reward), or `None` (drop this draw). `validate_run` checks the
 return at the boundary and names the row, draw, segment and field on any violation.
-`pack_run` shifts a run's segments by one into `Datum`s; a `PromptGroup` is one row's
-surviving runs with their advantages, packed and ready for the trainer.
+A `PromptGroup` is one row's surviving runs and their rewards; where a chunk trains, `pack_run`
+shifts each run's segments by one into `Datum`s carrying the run's advantage.
 """
 
 from __future__ import annotations
@@ -78,20 +78,20 @@ class RolloutSetup:
 
 @dataclass
 class PromptGroup:
-    """One dataset row's surviving runs, their rewards and advantages, packed for the trainer."""
+    """One dataset row's surviving runs and their raw rewards: what `dynamic_filter_fn` judges and a chunk
+    trains. The advantages are computed where the chunk trains, from the rewards as shaped there."""
 
     row_id: str
     rewards_G: list[float]
-    advantages_G: list[float]
     runs_G: list[RolloutRun]
-    datums: list[Datum]
     row: dict[str, Any] = field(default_factory=dict)
     submit_version: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def rewards(self) -> list[float]:
-        return self.rewards_G
+    def datum_tokens(self) -> int:
+        """Tokens of the datums its runs pack into (each segment shifted by one)."""
+        return sum(len(segment.tokens) - 1 for run in self.runs_G for segment in run.segments)
 
 
 def sample_from_completion(
@@ -233,23 +233,8 @@ def pack_run(run: RolloutRun, advantage: float) -> list[Datum]:
 
 
 def make_prompt_group(
-    row_id: str,
-    runs_G: list[RolloutRun],
-    advantages_G: list[float],
-    *,
-    row: dict[str, Any] | None = None,
-    submit_version: int = 0,
+    row_id: str, runs_G: list[RolloutRun], *, row: dict[str, Any] | None = None, submit_version: int = 0
 ) -> PromptGroup:
-    """Pack a row's runs with their advantages (one per run, broadcast over its segments)."""
-    if len(runs_G) != len(advantages_G):
-        raise ValueError(f"{len(runs_G)} runs but {len(advantages_G)} advantages")
-    datums = [d for run, adv in zip(runs_G, advantages_G) for d in pack_run(run, adv)]
-    return PromptGroup(
-        row_id=row_id,
-        rewards_G=[run.reward for run in runs_G],
-        advantages_G=list(advantages_G),
-        runs_G=runs_G,
-        datums=datums,
-        row=row or {},
-        submit_version=submit_version,
-    )
+    """A row's runs as a group, with their rewards."""
+    return PromptGroup(row_id=row_id, rewards_G=[run.reward for run in runs_G], runs_G=runs_G, row=row or {},
+                       submit_version=submit_version)

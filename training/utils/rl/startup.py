@@ -1,24 +1,22 @@
-"""What both recipes wire together around their loops: data, trainers, deployment, agent shim, rollout
-setup, checkpoints and evaluation calls."""
+"""Everything a run needs before its first step: its rows, the trainers, a resume or a warm start, the
+deployment, the agent shim and the rollout setup; and `serve_policy`, the same deployment and setup
+outside a training run (a baseline, an evaluation). What happens from the first step on is
+`training_run.py`."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import copy
-import inspect
 import logging
-import math
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import numpy as np
 
-from training.utils.checkpoint import load_latest_verified, load_weights, save_checkpoint
+from training.utils.checkpoint import load_latest_verified, load_weights
 from training.utils.config import RLConfig
-from training.utils.deploy import Deployment, EmbeddedDeployment, start_deployment
-from training.utils.errors import ConfigError, EvaluationTimeoutError
-from training.utils.logging import RunLogger
+from training.utils.deploy import Deployment, start_deployment
+from training.utils.errors import ConfigError
 from training.utils.lora import load_adapter
 from training.utils.model import default_device, load_model_and_tokenizer
 from training.utils.rl.agent import AgentShim
@@ -84,9 +82,9 @@ async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment) -> 
     if not cfg.agent_shim.enabled:
         return None
     # The shim checks `agent_shim.max_context_tokens` against the context given here, or asks the deployment.
-    served = deployment.engine.max_context_tokens if isinstance(deployment, EmbeddedDeployment) else None
     shim = AgentShim(deployment.sampler, tokenizer, cfg.agent_shim, rollout_sample_kwargs(cfg),
-                     model_name=deployment.model_name, context_tokens=served or cfg.deployment.max_context_tokens)
+                     model_name=deployment.model_name,
+                     context_tokens=deployment.context_tokens or cfg.deployment.max_context_tokens)
     await shim.start()
     return shim
 
@@ -135,36 +133,25 @@ def warm_start(cfg: RLConfig, policy: Trainer, progress: dict[str, Any]) -> None
         log.info("warm start: the policy's LoRA adapter from %s; fresh optimizer, step 0", source)
 
 
-async def checkpoint(cfg: RLConfig, worker, policy: Trainer, rng: np.random.Generator, step: int,
-                     progress: dict[str, Any], logger: RunLogger) -> int:
-    """Save on the trainer thread (`progress`: the step and the data cursor, captured at publication)."""
-    start = time.monotonic()
-    await worker.run(save_checkpoint, cfg.log_path, step, policy=policy, progress={"step": step, **progress},
-                     np_rng=rng, keep=cfg.keep_checkpoints)
-    worker.take_busy_s()
-    logger.log(step, {"perf/checkpoint_time": time.monotonic() - start})
-    return step
+@contextlib.asynccontextmanager
+async def serve_policy(cfg: RLConfig, rollout_extras: dict[str, Any] | None = None) -> AsyncIterator[RolloutSetup]:
+    """`cfg.model` served by `cfg.deployment` (and the agent shim, when `cfg.agent_shim.enabled`), as the
+    `RolloutSetup` a rollout function gets in a training run; closed on exit. For the untrained model's
+    reward, or an evaluation outside a run:
 
-
-async def evaluate(evaluation_fn: Callable | None, setup: RolloutSetup, step: int, logger: RunLogger | None,
-                   cfg: RLConfig) -> dict[str, float]:
-    """Run `evaluation_fn(setup, step)` under `eval_timeout_s`; its metrics are logged under `eval/`.
-    The timeout bounds what it awaits: a synchronous one blocks the event loop until it returns."""
-    if evaluation_fn is None:
-        return {}
-    deadline = asyncio.timeout(cfg.eval_timeout_s)
+        async with serve_policy(cfg) as setup:
+            rollout_fn = make_rollout_fn(setup)
+    """
+    model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weight_dtype(cfg.trainer, default_device()))
+    deployment = await start_deployment(model, tokenizer, cfg.deployment, model_name=cfg.model,
+                                        sampling_timeout_s=cfg.sampling.timeout_s)
+    shim = None
     try:
-        async with deadline:
-            result = evaluation_fn(setup, step)
-            if inspect.isawaitable(result):
-                result = await result
-    except TimeoutError:
-        if not deadline.expired():  # a TimeoutError of the evaluation's own
-            raise
-        raise EvaluationTimeoutError(f"evaluation_fn did not return within eval_timeout_s={cfg.eval_timeout_s:g}s "
-                                     f"at step {step}") from None
-    metrics = {k if k.startswith("eval/") else f"eval/{k}": float(v) for k, v in (result or {}).items()
-               if isinstance(v, (int, float)) and math.isfinite(v)}
-    if logger is not None:
-        logger.log(step, metrics)
-    return metrics
+        shim = await start_agent_shim(cfg, tokenizer, deployment)
+        yield make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim)
+    finally:
+        try:
+            if shim is not None:
+                await shim.close()
+        finally:
+            await deployment.close()

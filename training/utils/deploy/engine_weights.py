@@ -1,0 +1,77 @@
+"""Where a weight update lands in the engine's model: each given name and shape checked against the model's
+`state_dict` and paired with its tensor (tied weights once), and the safetensors a disk sync reads."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+
+class WeightTargets:
+    """The engine model's tensors by `state_dict` name, and the pairing of the last update's names with them."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        # state_dict name -> the tensor to copy into; tied aliases all point at one tensor.
+        self._targets = {name: t.detach() for name, t in model.state_dict(keep_vars=True).items()}
+        self._last_match: tuple[tuple, tuple[list[torch.Tensor], list[int]]] | None = None
+
+    def match(self, named_tensors: Mapping[str, torch.Tensor]) -> tuple[list, list]:
+        """(engine tensors, given tensors) to copy pairwise, each name checked against the engine's model.
+
+        A trainer sends the same names and shapes every time, so the last call's checks are reused
+        when they match: on a GPU checking 300 names costs more than copying a small model.
+        """
+        given = list(named_tensors.items())
+        key = tuple((name, tensor.shape) for name, tensor in given)
+        if self._last_match is None or self._last_match[0] != key:
+            self._last_match = (key, self._pair(given))
+        dst, used = self._last_match[1]
+        return dst, [given[i][1] for i in used]  # copied under no_grad: no detach needed
+
+    def _pair(self, given: list[tuple[str, torch.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
+        """The engine tensor for each given name, and the positions of the given tensors to copy from."""
+        dst, used, seen = [], [], set()
+        for index, (name, tensor) in enumerate(given):
+            target = self._targets.get(name)
+            if target is None:
+                raise ValueError(
+                    f"update_weights: {name!r} is not in the engine model's state_dict "
+                    f"(e.g. {next(iter(self._targets))!r}); send the policy's state_dict() names"
+                )
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's has {tuple(target.shape)}"
+                )
+            if target.data_ptr() in seen:  # tied weights: one copy is enough
+                continue
+            seen.add(target.data_ptr())
+            dst.append(target)
+            used.append(index)
+        if not dst:
+            raise ValueError("update_weights: no tensors given")
+        return dst, used
+
+
+def read_safetensors(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file, or of a directory (model.safetensors, a sharded index, or *.safetensors)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    elif (path / "model.safetensors.index.json").is_file():
+        weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights at {path} (expected a file or a directory holding them)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f), device=str(device)))
+    return tensors

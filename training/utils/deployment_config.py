@@ -1,0 +1,185 @@
+"""The inference side's configs: the sampling defaults, the deployment rollouts sample from, the agent shim."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from training.utils.config_base import FiniteFloat, StrictModel
+
+
+class SamplingConfig(StrictModel):
+    """Default sampling parameters handed to rollouts as `setup.sample_kwargs`."""
+
+    max_tokens: int = Field(256, gt=0)
+    """Maximum new tokens per completion."""
+    temperature: FiniteFloat = Field(1.0, ge=0)
+    """Sampling temperature; the trainer computes logprobs at the same temperature. 0 means greedy."""
+    top_p: FiniteFloat = Field(1.0, gt=0, le=1)
+    """Nucleus sampling; keep 1.0 for RL so the sampled distribution is the one the trainer scores."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling; 0 disables it (keep it off for RL for the same reason as top_p)."""
+    stop: list[str] = Field(default_factory=list)
+    """Extra stop strings; the tokenizer's EOS always stops."""
+    timeout_s: FiniteFloat = Field(300.0, gt=0)
+    """Per-request timeout; a request that exceeds it is aborted and reported as a recoverable error."""
+
+
+WEIGHT_SYNCS: dict[str, tuple[str, ...]] = {
+    "embedded": ("in_process", "disk"),
+    "vllm": ("disk", "nccl", "none"),
+    "sglang": ("disk", "nccl", "none"),
+    "openai": ("none",),
+}
+"""Each deployment kind and the weight syncs it takes, its default first: the one place the config names them.
+The external kinds are `deploy.external.SERVER_KINDS`'s (a kind without weight-update endpoints takes only
+`none`); the config sits below the deployments and cannot read that registry, so tests/test_registries.py
+holds the two in step."""
+
+DeploymentKind = Literal[tuple(WEIGHT_SYNCS)]
+_EXTERNAL_KINDS = tuple(kind for kind in WEIGHT_SYNCS if kind != "embedded")
+
+
+class DeploymentConfig(StrictModel):
+    """The inference deployment rollouts sample from."""
+
+    kind: DeploymentKind = "embedded"
+    """`embedded`: an engine inside the training process, served over HTTP on `host:port`. `vllm` / `sglang`:
+    a server you started at `base_url`, spoken to through its own API (README: Scaling out). `openai`: any
+    OpenAI-compatible completions server that returns token ids and logprobs (sampling only, no weight sync)."""
+    base_url: str | None = None
+    """Root URL of an external server, e.g. `http://gpu-node:8000` (without `/v1`); required unless `embedded`."""
+    host: str = "127.0.0.1"
+    """Bind address of the embedded server. Anything but loopback requires `api_key`."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the embedded server; 0 picks a free one."""
+    api_key: str | None = None
+    """Bearer token the embedded server requires on every endpoint but `/health`; when None it generates a
+    secret per run instead (`setup.inference_api_key`). Mandatory when binding beyond loopback, so remote
+    clients can be given it; sent to an external server."""
+    weight_sync: Literal["in_process", "disk", "nccl", "none"] = "in_process"
+    """`in_process` (embedded only): copy tensors into the engine's model; `disk`: write safetensors to `weight_dir`
+    and have the server load them (the default for vllm/sglang); `nccl` (vllm/sglang, GPUs on both ends): broadcast
+    the tensors into the server's GPUs; `none` (the only choice for openai): the server keeps its initial weights."""
+    inflight_on_sync: Literal["finish_old", "continue_new"] = "continue_new"
+    """What in-flight requests do at a weight sync: finish on the old weights (the sync waits for them),
+    or pause and continue on the new weights (the embedded engine records each token's version)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights of the embedded engine's model copy; `auto`: bfloat16 where bf16 compute is native (CUDA, and CPUs
+    with AVX512-BF16 or AMX, detected at run time), float32 elsewhere. In-process sync converts the trainer's
+    (float32) tensors on copy."""
+    decode_steps: Literal["auto", "eager", "graphs", "static"] = "auto"
+    """How the embedded engine runs a decode step. `graphs` (CUDA only): captured CUDA graphs, one per (rows,
+    columns) bucket, replayed without launch overhead. `eager`: a plain forward over the live rows and columns.
+    `static`: the graphs' static-shape step run without capture, to tell a capture problem from a shape problem.
+    `auto`: graphs on CUDA, eager elsewhere. `graphs` and `static` (chosen or set) are checked at start-up against
+    the eager step on a small batch; if they raise or their logits differ beyond rounding, the engine runs eager
+    steps and warns why (docs/engine-decode-loop.md: Start-up self-check). `eager` skips the check."""
+    max_batch_requests: int = Field(64, gt=0)
+    """Most sequences the engine decodes at once."""
+    prefix_cache_tokens: int = Field(8192, ge=0)
+    """Tokens of keys/values the embedded engine keeps from recently prefilled prompts and finished sequences, so
+    a prompt that starts with them (the G draws of one row, the next turn of a chat) prefills only the rest; least
+    recently used first out, emptied at every weight update; 0 turns it off. A token costs 2 x layers x KV heads x
+    head dim x dtype bytes: 46 KB for SmolLM2-135M in float32 (the default is then ~380 MB), 12 KB for
+    Qwen2.5-0.5B in bfloat16 (docs/engine-decode-loop.md: Prefix cache)."""
+    max_context_tokens: int | None = Field(None, gt=0)
+    """Longest prompt + completion served; defaults to the model's `max_position_embeddings`."""
+    weight_sync_timeout_s: FiniteFloat = Field(600.0, gt=0)
+    """Upper bound on one weight sync; exceeding it raises instead of hanging."""
+    weight_dir: str | None = None
+    """Where `disk` sync writes `step_<version>/` directories; an external server must see it at the same path
+    (a shared filesystem). None: a temporary directory, removed at the end (enough for a server on this machine)."""
+    nccl_master_address: str | None = None
+    """Address of this trainer that the server's GPUs reach for `nccl` sync; None: this host's address."""
+    nccl_master_port: int = Field(0, ge=0, le=65535)
+    """Port the trainer opens for the `nccl` rendezvous; 0 picks a free one."""
+    connect_timeout_s: FiniteFloat = Field(60.0, gt=0)
+    """How long start-up waits for an external server's health check (it may still be loading its model)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _external_weight_sync_default(cls, data):
+        # `in_process` cannot reach another process: an external kind defaults to what it supports.
+        if isinstance(data, dict) and data.get("kind") in _EXTERNAL_KINDS and "weight_sync" not in data:
+            data = {**data, "weight_sync": WEIGHT_SYNCS[data["kind"]][0]}
+        return data
+
+    @model_validator(mode="after")
+    def _remote_bind_needs_key(self) -> DeploymentConfig:
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.api_key:
+            raise ValueError(f"deployment.host={self.host!r} binds beyond loopback; set deployment.api_key too")
+        return self
+
+    @model_validator(mode="after")
+    def _kind_combinations(self) -> DeploymentConfig:
+        allowed = WEIGHT_SYNCS[self.kind]
+        if self.kind == "embedded":
+            if self.weight_sync not in allowed:
+                raise ValueError(f"deployment.weight_sync={self.weight_sync!r} is for external servers; "
+                                 f"the embedded deployment takes {' or '.join(map(repr, allowed))}")
+            return self
+        if not self.base_url:
+            raise ValueError(f"deployment.kind={self.kind!r} needs deployment.base_url (e.g. 'http://localhost:8000')")
+        if not self.base_url.startswith(("http://", "https://")) or self.base_url.rstrip("/").endswith("/v1"):
+            raise ValueError(f"deployment.base_url={self.base_url!r}: give the server's root URL, "
+                             "'http(s)://host:port' without '/v1'")
+        if self.weight_sync not in allowed:
+            raise ValueError(f"deployment.weight_sync={self.weight_sync!r} is not available with kind={self.kind!r}; "
+                             f"use one of {allowed}")
+        return self
+
+
+DeployConfig = DeploymentConfig
+"""The cookbook's name for `DeploymentConfig` (`deployment=DeployConfig(...)`): the same class."""
+
+
+class AgentShimConfig(StrictModel):
+    """The agent shim (README: The agent shim): a local Anthropic/OpenAI endpoint that records black-box agents' turns.
+
+    Enabled, the recipes start it after the deployment and hand it to rollouts as `setup.shim`.
+    The trainer owns sampling: temperature, top_p and top_k come from `sampling`, and a turn's
+    max_tokens is the least of `sampling.max_tokens`, the client's own cap and the context left.
+    """
+
+    enabled: bool = False
+    """Start the shim and pass it to rollouts as `setup.shim`."""
+    host: str = "127.0.0.1"
+    """Bind address. Every model endpoint requires a session key (a random token minted per rollout);
+    binding beyond loopback exposes the shim to other machines, so do it only on a trusted network."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port; 0 picks a free one."""
+    turn_matching: Literal["message_hash", "token_prefix"] = "message_hash"
+    """How a request is matched to the turns already recorded: hashes of normalized messages (default), or
+    the stricter token prefix (a request continues a turn only if its fresh render starts with that turn's
+    prompt + output ids)."""
+    stitching: Literal["split", "repair"] = "split"
+    """When a later prompt no longer token-matches an earlier output: `split` opens a new segment and loses
+    no sampled token; `repair` masks or drops the unstitched tail."""
+    max_context_tokens: int | None = Field(None, gt=0)
+    """Longest prompt + completion of one turn; a prompt with no room left is a 400 `context_length_exceeded`.
+    None means the deployment's context length."""
+    request_timeout_s: FiniteFloat = Field(900.0, gt=0)
+    """Upper bound on each wait of one request: its turn in the session's queue, sampling, writing the reply."""
+    record_toolless: bool = True
+    """Record requests that offer no tools as turns. False treats them as auxiliary calls (titles, summaries):
+    answered, counted, never trained and never part of the session's history."""
+    report_trainer_cap_as: Literal["end_turn", "max_tokens"] = "end_turn"
+    """What the client hears when a reply is cut by a limit it did not ask for: `sampling.max_tokens` or the
+    context left. `end_turn` (Anthropic `end_turn`, OpenAI `stop`) keeps real agents running: Claude Code reads
+    `max_tokens` as its own output limit, asks three times to "resume directly" and exits 1, and the OpenAI SDK's
+    `.parse()` / `.stream()` helpers raise `LengthFinishReasonError`. The price: the agent takes a cut reply for
+    a finished one (a tool call cut in half arrives as text). `max_tokens` (OpenAI `length`) tells the truth and
+    lets an agent that handles it continue the reply. Either way the recorded turn keeps `finish_reason="length"`
+    for metrics and the reward, and a cut by the client's own smaller max_tokens is always reported as
+    `max_tokens` / `length`."""
+    unseen_content: Literal["refuse", "placeholder"] = "refuse"
+    """Image, document, audio and other non-text blocks (also inside tool results), which a text-only prompt
+    cannot carry. `refuse`: a 400 `invalid_request_error` naming the block and where it is, so the agent knows
+    the model never saw it. `placeholder`: replace each with `[<type> omitted]` and answer, as if it had."""
+    max_body_bytes: int | None = Field(None, gt=0)
+    """Largest request body accepted; a bigger one gets a 413 (before it is read, when its size is announced).
+    None derives it from the context: the most a prompt of `max_context_tokens` can take as JSON (each token the
+    tokenizer's longest, each byte a six-byte `\\uXXXX` escape), but at least 32 MiB, the Anthropic API's own
+    limit, so no body a real provider takes is refused. The shim's `/healthz` reports the limit in force."""

@@ -1,0 +1,69 @@
+"""How the per-token values of a padded `(B, T)` micro-batch become one number, selected by name.
+
+`LOSS_AGG_MODES[mode].reduce` turns each term of the policy loss (README: Policy losses) into a
+scalar, and its `batch_denominator` says what chunked training divides the summed micro-batch
+losses by. `masked_mean` is the token mean every loss metric is, so that a token-weighted mean
+over micro-batches is the minibatch's.
+
+The config validates `loss_agg_mode` against `LOSS_AGG_MODES`, so this module imports nothing
+of the library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def _token_mean(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm) -> Tensor:
+    if num_tokens is None:
+        num_tokens = mask.sum().clamp(min=1)
+    return torch.where(mask, x, 0.0).sum() / num_tokens
+
+
+def _seq_mean_token_mean(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm) -> Tensor:
+    per_seq_B = torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_seq_B.sum() / (x.shape[0] if num_seqs is None else num_seqs)
+
+
+def _seq_mean_token_sum_norm(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm) -> Tensor:
+    norm = x.shape[1] if seq_token_sum_norm is None else seq_token_sum_norm
+    per_seq_B = torch.where(mask, x, 0.0).sum(-1) / norm
+    return per_seq_B.sum() / (x.shape[0] if num_seqs is None else num_seqs)
+
+
+def _sum(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm) -> Tensor:
+    return torch.where(mask, x, 0.0).sum()
+
+
+@dataclass(frozen=True)
+class LossAggregation:
+    """How per-token losses become one number, and what that number is divided by over a whole batch."""
+
+    reduce: Callable[..., Tensor]
+    """`reduce(x, mask, num_tokens, num_seqs, seq_token_sum_norm) -> scalar`."""
+    batch_denominator: Callable[[float, int], float]
+    """`(trained tokens, sequences) -> d`: with num_tokens = num_seqs = 1 a batch's reduced losses add up
+    to a sum, and that sum / d is the loss over the batch (how chunked training normalises at the end)."""
+
+
+LOSS_AGG_MODES: dict[str, LossAggregation] = {
+    "token_mean": LossAggregation(_token_mean, lambda tokens, seqs: max(tokens, 1.0)),
+    "seq_mean_token_mean": LossAggregation(_seq_mean_token_mean, lambda tokens, seqs: float(seqs)),
+    "seq_mean_token_sum_norm": LossAggregation(_seq_mean_token_sum_norm, lambda tokens, seqs: float(seqs)),
+    "sum": LossAggregation(_sum, lambda tokens, seqs: 1.0),
+}
+"""`token_mean`: Σ loss / num_tokens (num_tokens defaults to the mask count; pass the
+minibatch's count under gradient accumulation so micro-batch losses sum to the minibatch
+loss). `seq_mean_token_mean`: Σ_seq (mean over the sequence's tokens) / num_seqs (default B).
+`seq_mean_token_sum_norm`: Σ_seq (Σ over tokens / seq_token_sum_norm) / num_seqs, with
+seq_token_sum_norm default T (Dr. GRPO's constant normaliser). `sum`: Σ loss."""
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """The detached float mean of `x` over `mask`'s True positions (0 on an empty mask): a loss metric."""
+    x = x.detach().float()
+    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
