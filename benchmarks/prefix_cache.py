@@ -28,8 +28,8 @@ from sampler_throughput import load  # benchmarks/ is on sys.path: it holds the 
 
 from training.utils.config import RLConfig
 from training.utils.deploy import start_deployment
-from training.utils.rl.telemetry import EngineCounters
 from training.utils.rl.startup import make_rollout_setup
+from training.utils.rl.telemetry import EngineCounters
 
 
 def single_turn():

@@ -291,7 +291,8 @@ def test_only_the_metrics_page_lists_metric_keys():
     assert not copies, f"these keep a metric table of their own; link docs/metrics.md instead: {copies}"
 
 
-@pytest.mark.parametrize("page", [*user_facing_pages(), ROOT / "CONTRIBUTING.md"], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", [*user_facing_pages(), ROOT / "CONTRIBUTING.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_lead_to_files_that_exist(page):
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
     broken = [t for t in targets if "://" not in t and not (page.parent / t).exists()]

@@ -7,7 +7,7 @@ import pytest
 from training.utils.errors import ConfigError, RecoverableRolloutError, RolloutContractError
 from training.utils.rl.dataset import RowCursor
 from training.utils.rl.rollout.invoke import CONTEXT_KEYS, context_params, gather_or_cancel, is_recoverable, run_draw
-from training.utils.rl.rollout.types import RolloutSample
+from training.utils.rl.rollout.types import RolloutSample, sample_from_completion
 
 CTX = dict(cursor_index=5, row_index=2, epoch=1, sample_index=3, submit_version=7, evaluation=False)
 
@@ -171,10 +171,11 @@ def context_recorder(seen):
 
 
 def test_every_caller_passes_rollout_idx_and_end_of_epoch():
-    """The async producer's draw, rl_loop's sample_row and rollout_evaluation all build the same context."""
+    """The one binder (`bind_draws`, the async producer's and rl_loop's draw) and rollout_evaluation build the
+    same context."""
     from training.recipes import rl_loop
-    from training.utils.rl.async_rl import make_draw_fn
     from training.utils.rl.evaluation import rollout_evaluation
+    from training.utils.rl.rollout.invoke import bind_draws
 
     rows = [{"id": f"r{i}"} for i in range(3)]
     items = RowCursor(rows, seed=0, shuffle=False).take(3)
@@ -182,14 +183,13 @@ def test_every_caller_passes_rollout_idx_and_end_of_epoch():
 
     seen = []
     rollout = context_recorder(seen)
-    draw = make_draw_fn(rollout, context_params(rollout), rows_per_epoch=3, vocab_size=10, timeout_s=5)
+    draw = bind_draws(rollout, rows_per_epoch=3, vocab_size=10, timeout_s=5)
     asyncio.run(draw(items[2], 1, 0))
     assert seen == [("r2", 1, True, 2, False)]
 
     seen.clear()
     cfg = rl_loop.Config(completions_per_prompt=2, rollout_timeout_s=5)
-    settled = asyncio.run(rl_loop.sample_row(items[1], rollout, context_params(rollout), cfg, rows_per_epoch=3,
-                                             vocab_size=10, version=0))
+    settled = asyncio.run(rl_loop.sample_row(items[1], draw, cfg, version=0))
     assert len(settled.runs_G) == 2 and sorted(seen) == [("r1", 0, False, 1, False), ("r1", 1, False, 1, False)]
 
     seen.clear()
@@ -197,3 +197,26 @@ def test_every_caller_passes_rollout_idx_and_end_of_epoch():
     assert asyncio.run(evaluation_fn(None, 3)) == {"reward": 1.0, "dropped": 0.0}
     assert sorted(seen) == [("r0", 0, False, 0, True), ("r0", 1, False, 0, True), ("r1", 0, False, 1, True),
                             ("r1", 1, False, 1, True), ("r2", 0, True, 2, True), ("r2", 1, True, 2, True)]
+
+
+def test_rollout_evaluation_makes_its_rollout_once_per_run_setup():
+    """Reused across runs (or after `serve_policy`), the evaluation samples from the setup it is given."""
+    from types import SimpleNamespace
+
+    from training import rollout_evaluation
+
+    made = []
+
+    def factory(setup):
+        made.append(setup.name)
+
+        async def rollout_fn(row):
+            return sample_from_completion([1, 2], [3], [-0.5], reward=float(setup.name == "second"))
+
+        return rollout_fn
+
+    evaluation_fn = rollout_evaluation(factory, [{"id": "a"}, {"id": "b"}])
+    first, second = SimpleNamespace(name="first"), SimpleNamespace(name="second")
+    results = [asyncio.run(evaluation_fn(setup, step)) for setup, step in ((first, 0), (first, 1), (second, 0))]
+    assert made == ["first", "second"]
+    assert [r["reward"] for r in results] == [0.0, 0.0, 1.0]

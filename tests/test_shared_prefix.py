@@ -17,7 +17,8 @@ import torch
 from training.utils.config import RLConfig, TrainerConfig
 from training.utils.errors import ConfigError
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.train_step import train_batch
+from training.utils.rl.rollout.types import RolloutRun, RolloutSample, make_prompt_group
+from training.utils.rl.train_step import KLCoefficient, train_batch
 from training.utils.tiny_model import tiny_config
 from training.utils.trainer import Datum, MicroBatch, Trainer
 from training.utils.trainer.batching import computed_tokens, plan_ranks
@@ -179,8 +180,13 @@ def test_the_trainer_reports_the_tokens_it_computed():
 
 def test_a_training_step_reports_the_tokens_computed_beside_its_metrics():
     datums = group_datums([20, 20], [[5, 3, 4], [2, 6]])
+    # The same sequences as the recipes hand them to the trainer: groups of runs, one segment each.
+    runs = [RolloutRun([RolloutSample(tokens=d.input_ids + d.target_ids[-1:], logprobs=[0.0] + d.behaviour_logprobs,
+                                      loss_mask=[0] + d.weights, reward=float(i % 2))]) for i, d in enumerate(datums)]
+    groups = [make_prompt_group("g0", runs[:3]), make_prompt_group("g1", runs[3:])]
     cfg = RLConfig(model="tiny-random", ppo_epochs=2, trainer=TrainerConfig(max_tokens_per_microbatch=1000))
-    metrics = train_batch(Trainer(make_model(), cfg.trainer), None, datums, cfg, np.random.default_rng(0))
+    metrics = train_batch(Trainer(make_model(), cfg.trainer), None, groups, cfg, np.random.default_rng(0),
+                          KLCoefficient(0.0))
     # Two epochs over one minibatch, each computing the two shared rows padded to 29 tokens.
     assert metrics["perf/train_tokens_computed"] == 2 * 2 * 29
     assert "train/tokens_computed" not in metrics

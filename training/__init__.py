@@ -67,27 +67,40 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(PUBLIC_NAMES))
 
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for type checkers and IDEs; `X as X` marks a re-export
     from training.utils.config import (
-        AgentShimConfig,
-        DeploymentConfig,
-        OverlongConfig,
-        SamplingConfig,
-        TISConfig,
-        TrainerConfig,
+        AgentShimConfig as AgentShimConfig,
+        DeploymentConfig as DeploymentConfig,
+        OverlongConfig as OverlongConfig,
+        SamplingConfig as SamplingConfig,
+        TISConfig as TISConfig,
+        TrainerConfig as TrainerConfig,
     )
-    from training.utils.errors import ConfigError, RecoverableRolloutError
-    from training.utils.model import load_model_and_tokenizer, load_tokenizer
-    from training.utils.jsonl import read_jsonl, write_jsonl
-    from training.utils.rl.dataset import GeneratedSplits
-    from training.utils.rl.evaluation import rollout_evaluation
-    from training.utils.rl.losses import LossInputs, TokenLoss, register_policy_loss
-    from training.utils.rl.rollout.messages import ChatAssembler
+    from training.utils.errors import (
+        ConfigError as ConfigError,
+        RecoverableRolloutError as RecoverableRolloutError,
+    )
+    from training.utils.jsonl import (
+        read_jsonl as read_jsonl,
+        write_jsonl as write_jsonl,
+    )
+    from training.utils.model import (
+        load_model_and_tokenizer as load_model_and_tokenizer,
+        load_tokenizer as load_tokenizer,
+    )
+    from training.utils.rl.dataset import GeneratedSplits as GeneratedSplits
+    from training.utils.rl.evaluation import rollout_evaluation as rollout_evaluation
+    from training.utils.rl.losses import (
+        LossInputs as LossInputs,
+        TokenLoss as TokenLoss,
+        register_policy_loss as register_policy_loss,
+    )
+    from training.utils.rl.rollout.messages import ChatAssembler as ChatAssembler
     from training.utils.rl.rollout.types import (
-        PromptGroup,
-        RolloutRun,
-        RolloutSample,
-        RolloutSetup,
-        sample_from_completion,
+        PromptGroup as PromptGroup,
+        RolloutRun as RolloutRun,
+        RolloutSample as RolloutSample,
+        RolloutSetup as RolloutSetup,
+        sample_from_completion as sample_from_completion,
     )
-    from training.utils.rl.startup import serve_policy
+    from training.utils.rl.startup import serve_policy as serve_policy

@@ -12,9 +12,9 @@ Four sources:
 - `tiny-random` or a `PretrainedConfig`: a randomly initialized model for tests, paired
   with the byte-level test tokenizer from `training.utils.tiny_model`.
 
-GGUF weights are quantized (Q4_1); transformers de-quantizes them on load, which takes
-~20 s on a laptop CPU, so the converted model is cached as safetensors under
-`$TRAINING_CACHE_DIR` (default `~/.cache/training`) and later loads take about a second.
+GGUF weights are quantized (Q4_1); transformers de-quantizes them on load, which is slow on a
+CPU, so the converted model is cached as safetensors under `$TRAINING_CACHE_DIR` (default
+`~/.cache/training`) and later loads read those directly.
 """
 
 from __future__ import annotations

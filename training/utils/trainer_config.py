@@ -67,7 +67,7 @@ class TrainerConfig(StrictModel):
     """Under torchrun (README: Scaling out): longest wait of one collective (gradient reduction, weight
     gather, checkpoint) before the rank fails with an error instead of hanging."""
 
-    # -- LoRA (README: LoRA) -------------------------------------------------------------
+    # -- LoRA (docs/configuration.md) ----------------------------------------------------------
     lora_rank: int = Field(0, ge=0)
     """Rank r of LoRA adapters (peft) on `lora_target_modules`; 0 trains every weight. With r > 0 only the
     adapters train, the reference for `kl_beta` is the same model with adapters disabled (no second copy),

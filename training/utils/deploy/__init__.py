@@ -1,8 +1,8 @@
-"""Deployments rollouts sample from (README: The deployment): engine, HTTP server, client, weight sync.
+"""Deployments rollouts sample from (docs/deployments.md): engine, HTTP server, client, weight sync.
 
 `start_deployment` is the one place that picks the kind: the embedded engine (a copy of the
 policy, `embedded.py`) or an external vLLM / SGLang / OpenAI-compatible server (`external.py`,
-README: Scaling out). Both return a `DeploymentHandle`: `sampler`, `weight_sync`, `base_url`,
+docs/deployments.md). Both return a `DeploymentHandle`: `sampler`, `weight_sync`, `base_url`,
 `model_name`, `version`, `context_tokens`, `engine_stats()` and `close()`.
 """
 

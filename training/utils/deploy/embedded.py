@@ -1,5 +1,5 @@
 """The embedded deployment: a copy of the policy served by our own engine (`engine.py`) behind our
-HTTP server (`server.py`) inside the training process (README: The deployment).
+HTTP server (`server.py`) inside the training process (docs/deployments.md).
 
     deployment = await start_embedded_deployment(copy.deepcopy(policy), tokenizer, cfg.deployment,
                                                  model_name="policy")
@@ -74,7 +74,7 @@ async def start_embedded_deployment(
     except BaseException:
         await asyncio.to_thread(engine.close)
         raise
-    # Every client of ours carries the server's secret (README: The deployment).
+    # Every client of ours carries the server's secret (docs/deployments.md).
     sampler = Sampler(base_url, model_name, api_key=server.api_key, timeout_s=sampling_timeout_s, tokenizer=tokenizer)
     weight_dir, own_dir = weight_dir_for(cfg.weight_sync, weight_dir if weight_dir is not None else cfg.weight_dir)
     weight_sync = make_weight_sync(

@@ -1,4 +1,4 @@
-"""External deployments (README: Scaling out): a vLLM, SGLang or OpenAI-compatible server at `base_url`.
+"""External deployments (docs/deployments.md): a vLLM, SGLang or OpenAI-compatible server at `base_url`.
 
     deployment = await connect_external_deployment(cfg.deployment, tokenizer, model_name="policy",
                                                    model_config=policy.model.config)
@@ -161,8 +161,8 @@ async def _wait_until_healthy(
             if time.monotonic() + delay > deadline:
                 raise DeploymentError(
                     f"the {kind} server at {base_url} is unreachable: GET {url} gave {last} for "
-                    f"{timeout_s:g}s (deployment.connect_timeout_s). Start the server first (README: Scaling "
-                    "out) or fix deployment.base_url"
+                    f"{timeout_s:g}s (deployment.connect_timeout_s). Start the server first (docs/deployments.md) or "
+                    "fix deployment.base_url"
                 )
             await asyncio.sleep(delay)
             delay = min(2.0, delay * 2)

@@ -31,7 +31,7 @@ from training.utils.errors import DeploymentError
 
 _DEV_MODE_HINT = (
     "vLLM serves the weight-transfer endpoints only when started with VLLM_SERVER_DEV_MODE=1 and "
-    "--weight-transfer-config '{\"backend\": \"%s\"}' (README: Scaling out)"
+    "--weight-transfer-config '{\"backend\": \"%s\"}' (docs/deployments.md)"
 )
 
 

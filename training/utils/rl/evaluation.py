@@ -30,7 +30,8 @@ def rollout_evaluation(
     items = [RowItem(row, row_id_of(row, i), row_index=i, cursor_index=i, epoch=0) for i, row in enumerate(rows)]
 
     async def evaluation_fn(setup: RolloutSetup, step: int) -> dict[str, float]:
-        if "draw" not in bound:  # the rollout function is made once, from the run's setup
+        if "draw" not in bound or bound["setup"] is not setup:  # made once per run, from that run's setup
+            bound["setup"] = setup
             bound["draw"] = bind_draws(rollout_fn_factory(setup), rows_per_epoch=len(rows), vocab_size=None,
                                        timeout_s=timeout_s, evaluation=True)
         draw = bound["draw"]

@@ -75,7 +75,7 @@ def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], coun
     """`rollout/*` metrics of one batch, with the inference drift (`telemetry.inference_drift_metrics`)
     and the agent shim's counters.
 
-    The names are listed in skills/dev/references/rl/async-rl.md §8."""
+    The names are listed in docs/metrics.md."""
     runs = [run for s in settled_P for run in s.runs_G]
     metrics: dict[str, float] = {}
     if runs:

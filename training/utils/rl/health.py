@@ -1,7 +1,7 @@
 """Run health: each step's metrics checked against the RL runbook's red flags.
 
 Every flag is warned once, with the setting to change, and listed in the run's summary
-(README: Run health). The flags name RL settings, so this lives with the recipes' pieces,
+(docs/metrics.md: run health). The flags name RL settings, so this lives with the recipes' pieces,
 not in the generic run telemetry of `training.utils.logging`.
 """
 

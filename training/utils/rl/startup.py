@@ -84,7 +84,7 @@ async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment) -> 
     # The shim checks `agent_shim.max_context_tokens` against the context given here, or asks the deployment.
     shim = AgentShim(deployment.sampler, tokenizer, cfg.agent_shim, rollout_sample_kwargs(cfg),
                      model_name=deployment.model_name,
-                     context_tokens=deployment.context_tokens or cfg.deployment.max_context_tokens)
+                     context_tokens=cfg.deployment.max_context_tokens or deployment.context_tokens)
     await shim.start()
     return shim
 

@@ -1,4 +1,4 @@
-"""Per-step async metrics (names: skills/dev/references/rl/async-rl.md §8): version offsets and the time breakdown.
+"""Per-step async metrics (names: docs/metrics.md): version offsets and the time breakdown.
 
 `async/version_offset_*`: per trained group, the version the optimizer step started from
 minus the version the row was submitted on (how many publications it missed).

@@ -4,7 +4,7 @@
 
 Runs the async recipe with the shim on, with the held-out evaluation before the first and after
 the last step; prints the per-step shim statistics of the ledger at the end (`shim_stats.py`;
-README: what the default run measured).
+its README: Results).
 """
 
 import json
@@ -19,7 +19,8 @@ from training.recipes.async_rl_loop import Config, main
 cfg = Config(
     model="smollm2-135m-instruct", log_path="runs/blackbox_agent",
     # P rows × G agent runs a step; one step of overlap between rollouts and training. Each agent run is a Python
-    # process that imports the SDK (1–2 s of CPU), so on 2 cores many small steps beat a few large ones.
+    # process whose start-up (importing the SDK) costs CPU of its own, so on 2 cores many small steps beat a few
+    # large ones.
     completions_per_prompt=8, prompt_groups_per_step=2, max_steps=15, max_head_offpolicy_versions=1,
     # 16 tokens hold any completed equation ("9 + 9 = 18"); a rambling reply is cut and misses the format.
     sampling=SamplingConfig(max_tokens=16, temperature=0.7), trainer=TrainerConfig(learning_rate=2e-5),

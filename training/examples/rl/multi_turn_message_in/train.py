@@ -1,4 +1,4 @@
-"""Arithmetic with a retry on SmolLM2-135M-Instruct, sized for a 2-core CPU (README: timing, results).
+"""Arithmetic with a retry on SmolLM2-135M-Instruct, sized for a 2-core CPU (its README: Results).
 
     python training/examples/rl/multi_turn_message_in/train.py
 
