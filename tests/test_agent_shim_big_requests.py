@@ -142,10 +142,20 @@ async def while_others_are_served(shim, send):
     return result, latencies, arrivals, streams
 
 
+def assert_loop_kept_turning(latencies: list[float], arrivals: list[float], elapsed: float) -> None:
+    """Nothing held the event loop while the big request was handled: had its parsing run there, a /healthz poll
+    or a stream chunk would have waited for most of `elapsed`. The bounds scale with `elapsed`, so a machine
+    slowed by other work slows both sides alike; on a quiet one they stay at 200 ms and 1 s."""
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert max(latencies) < max(0.2, 0.1 * elapsed), (elapsed, sorted(latencies)[-5:])
+    assert max(gaps) < max(1.0, 0.25 * elapsed), (elapsed, sorted(gaps)[-5:])
+
+
 def test_a_40mb_body_is_refused_while_other_sessions_keep_streaming(tiny):
     """With a 64 MiB limit the body is read and parsed, then refused on its text's length alone: a lower-bound
-    overflow in Anthropic's wording. Meanwhile /healthz answers within 200 ms and the other session's stream
-    never pauses for a second; the server's memory grows by far less than the 6.4 GB the issue reports."""
+    overflow in Anthropic's wording. Meanwhile /healthz keeps answering and the other session's stream
+    never pauses for long (`assert_loop_kept_turning`); the server's memory grows by far less than the 6.4 GB
+    the issue reports."""
     big = agent_history(BIG_BODY_BYTES)
     assert len(big) > BIG_BODY_BYTES
 
@@ -171,9 +181,7 @@ def test_a_40mb_body_is_refused_while_other_sessions_keep_streaming(tiny):
     assert int(match.group(1)) > 1_000_000  # the text's bytes over the longest token's 13
     assert heavy.counters["context_overflows"] == 1 and heavy.num_turns == 0
     assert not any(call["kwargs"]["user"] == heavy.affinity for call in spy.calls)
-    assert max(latencies) < 0.2, sorted(latencies)[-5:]
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    assert max(gaps) < 1.0, sorted(gaps)[-5:]
+    assert_loop_kept_turning(latencies, arrivals, elapsed)
     assert streams >= 3 and len(latencies) >= 10
     assert growth < 1.5 * 2**30
 
@@ -317,7 +325,6 @@ def test_counting_a_large_body_never_stalls_the_other_sessions(tiny):
     print(f"8 MB count_tokens answered in {elapsed:.2f}s; healthz max {max(latencies) * 1000:.0f} ms; "
           f"stream max gap {max(gaps) * 1000:.0f} ms over {streams} streams")
     assert status == 200 and answer["input_tokens"] == expected > 1_000_000
-    assert max(latencies) < 0.2, sorted(latencies)[-5:]
-    assert max(gaps) < 1.0, sorted(gaps)[-5:]
+    assert_loop_kept_turning(latencies, arrivals, elapsed)
     assert streams >= 2
 

@@ -162,3 +162,22 @@ def test_runaway_reference_kl_is_flagged_with_its_lever(caplog):
     # Without a reference there is no train/ref_kl and nothing to flag; the limit is a setting.
     assert RunHealth(patience=1).check(1, {"train/loss": 0.1}) == []
     assert RunHealth(patience=1, ref_kl_limit=0.1).check(1, {"train/ref_kl": 0.2}) == ["ref_kl_runaway"]
+
+
+def test_without_token_versions_the_gap_flags_read_the_groups_offset():
+    """A server that reports no per-token versions (vLLM's /v1/completions: every token -1) leaves only the
+    per-group offset; samples one version old are not held to the fresh-token threshold."""
+    from training.utils.rl.telemetry import version_offset_metrics
+
+    stale_groups = [group(3, token_versions=[-1, -1])]  # submitted on version 3, trained against 4
+    offsets = version_offset_metrics(stale_groups, trained_against_version=4)
+    assert offsets["async/version_offset_mean"] == 1.0 and "async/token_version_offset_mean" not in offsets
+
+    def fired(gap, metrics):
+        health = RunHealth(patience=1)
+        return health.check(1, {"rollout/sampler_trainer_logprob_diff": gap, **metrics})
+
+    assert fired(0.15, offsets) == []
+    assert fired(0.4, offsets) == ["offpolicy_gap"]
+    fresh = version_offset_metrics([group(4, token_versions=[-1, -1])], trained_against_version=4)
+    assert fired(0.15, fresh) == ["sampler_trainer_gap"]

@@ -73,7 +73,11 @@ class RunHealth:
             self._rewards.append(m["rollout/raw_reward"])
         recent = self._rewards[-self.reward_window:]
         gap = m.get("rollout/sampler_trainer_logprob_diff", 0.0)
-        fresh = m.get("async/token_version_offset_mean", 0.0) == 0
+        # How many versions old the trained samples were: per token where the sampler reported versions, else
+        # per group (a server that reports none, vLLM's /v1/completions, gives every token -1: unknown, never
+        # "fresh"); rl_loop logs neither and is on-policy.
+        offset = m.get("async/token_version_offset_mean", m.get("async/version_offset_mean", 0.0))
+        fresh = offset == 0
         conditions = {
             "entropy_collapse": "train/entropy" in m and self._first_entropy is not None
             and m["train/entropy"] < 0.1 * self._first_entropy,
