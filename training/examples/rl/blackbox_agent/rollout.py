@@ -122,13 +122,17 @@ async def run_agent(task: str, workdir: str, env: dict[str, str], *, max_turns: 
     reading = asyncio.gather(proc.stdout.read(), proc.stderr.read())
     timed_out = False
     try:
+        # `asyncio.timeout`, not `wait_for`, which on Python 3.11 can lose a cancel (CPython gh-86296).
         try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await proc.wait()
         except TimeoutError:
             timed_out = True
             _kill(proc)
-            await asyncio.wait_for(proc.wait(), _KILL_WAIT_S)
-        stdout, stderr = await asyncio.wait_for(reading, _KILL_WAIT_S)
+            async with asyncio.timeout(_KILL_WAIT_S):
+                await proc.wait()
+        async with asyncio.timeout(_KILL_WAIT_S):
+            stdout, stderr = await reading
     finally:
         if proc.returncode is None:  # cancelled, or not reaped in time: never leave an agent running
             _kill(proc)

@@ -117,7 +117,8 @@ class ModelCalls:
                 timeout=kw.get("timeout"),
                 user=session.affinity,
             )
-            return await asyncio.wait_for(sampling, self.cfg.request_timeout_s)
+            async with asyncio.timeout(self.cfg.request_timeout_s):  # not wait_for: it can lose a cancel (gh-86296)
+                return await sampling
         except _SAMPLING_FAILURES as e:
             session.count("sampling_failures")
             logger.warning("agent shim session %s: sampling failed: %r", session.label, e)
@@ -143,20 +144,26 @@ class ModelCalls:
             if sent.events is None:
                 body = json.dumps(sent.body, ensure_ascii=False).encode()
                 resp = web.Response(body=body, content_type="application/json")
-                await asyncio.wait_for(resp.prepare(request), timeout)
-                await asyncio.wait_for(resp.write_eof(), timeout)
+                async with asyncio.timeout(timeout):
+                    await resp.prepare(request)
+                async with asyncio.timeout(timeout):
+                    await resp.write_eof()
                 recorded = self._record(session, staged)
                 return resp
             content, closing = sent.events[:-2], sent.events[-2:]
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await asyncio.wait_for(resp.prepare(request), timeout)
+            async with asyncio.timeout(timeout):
+                await resp.prepare(request)
             for event in content:  # write() waits out flow control: each event is in the socket when it returns
-                await asyncio.wait_for(resp.write(event), timeout)
+                async with asyncio.timeout(timeout):
+                    await resp.write(event)
             # The client holds the whole reply now; the closing events only end the stream.
             recorded = self._record(session, staged)
             for event in closing:
-                await asyncio.wait_for(resp.write(event), timeout)
-            await asyncio.wait_for(resp.write_eof(), timeout)
+                async with asyncio.timeout(timeout):
+                    await resp.write(event)
+            async with asyncio.timeout(timeout):
+                await resp.write_eof()
             return resp
         except (ConnectionError, TimeoutError) as e:
             if not recorded:

@@ -34,7 +34,10 @@ class TurnQueue:
         self._tail = mine
         if previous is not None and not previous.done():
             try:
-                await asyncio.wait_for(asyncio.shield(previous), timeout)
+                # `asyncio.timeout`, not `wait_for`: on Python 3.11 wait_for loses a cancel that arrives as the
+                # awaited future completes (CPython gh-86296), and a cancelled request would run on.
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(previous)
             except BaseException as e:
                 previous.add_done_callback(lambda _: _release(mine))
                 if isinstance(e, TimeoutError):
@@ -51,7 +54,8 @@ class TurnQueue:
         """Wait until every request queued so far is done."""
         tail = self._tail
         if tail is not None and not tail.done():
-            await asyncio.wait_for(asyncio.shield(tail), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(tail)
 
 
 def _release(slot: asyncio.Future) -> None:
