@@ -2,9 +2,19 @@
 
 import os
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
 # The suite checks numbers at float32 tolerances: `precision="auto"` and `deployment.dtype="auto"` must not pick
 # bf16 because the machine running it has native bf16 (torchrun workers inherit it too).
 os.environ.setdefault("TRAINING_CPU_BF16", "0")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    """A `real_vllm` test is also `slow`: it installs vLLM's CPU build once and starts real servers, so the default
+    `-m "not slow"` run (CI's) leaves it out and `-m real_vllm` runs the tier (docs/deployments.md)."""
+    for item in items:
+        if item.get_closest_marker("real_vllm") is not None:
+            item.add_marker(pytest.mark.slow)

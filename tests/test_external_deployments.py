@@ -20,13 +20,15 @@ from aiohttp import web
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from training.utils.config import DeploymentConfig, RLConfig
+from training.recipes import rl_loop
+from training.utils.config import DeploymentConfig, RLConfig, SamplingConfig, TrainerConfig
 from training.utils.deploy import ExternalDeployment, Sampler, start_deployment
 from training.utils.deploy.external import SERVER_KINDS, connect_external_deployment
 from training.utils.deploy.nccl import NCCLBroadcaster
 from training.utils.deploy.sglang import WEIGHT_SYNC_GROUP_NAME, SGLangWeightSync
 from training.utils.deploy.vllm import VLLMWeightSync
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
+from training.utils.rl.rollout.types import sample_from_completion
 from training.utils.rl.startup import make_rollout_setup
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
 
@@ -273,8 +275,9 @@ class FakeServer:
     entries to inject failures.
     """
 
-    def __init__(self, served=("served-model",), world_size=2, tp_size=2):
+    def __init__(self, served=("served-model",), world_size=2, tp_size=2, weight_transfer="disk"):
         self.requests: list[tuple[str, str, object, dict]] = []
+        self.weight_transfer = weight_transfer  # vLLM's --weight-transfer-config backend; None: started without
         self.weight_version = "default"
         self.served = list(served)
         self.loaded_paths: list[str] = []
@@ -298,6 +301,11 @@ class FakeServer:
             ("POST", "/update_weights"): self._vllm_update,
             ("POST", "/finish_weight_update"): self._vllm_finish,
             ("GET", "/weight_info"): lambda b, q: (200, {"weight_version": self.weight_version}),
+            # vLLM 0.32 (entrypoints/serve/dev/rpc/api_router.py, entrypoints/rl/online/api_router.py): a worker
+            # RPC (reload_weights reloads the model's weights from a directory) and the version alone.
+            ("POST", "/collective_rpc"): self._vllm_rpc,
+            ("POST", "/update_weight_version"): self._vllm_set_version,
+            ("POST", "/reset_prefix_cache"): lambda b, q: (200, {"success": True}),
             ("GET", "/get_world_size"): lambda b, q: (200, {"world_size": world_size}),
             # SGLang v0.5 (docs/advanced_features/sglang_for_rl.md, docs/basic_usage/native_api.ipynb).
             ("GET", "/get_model_info"): lambda b, q: (200, {
@@ -315,8 +323,13 @@ class FakeServer:
 
     # vLLM
     def _vllm_init(self, body, query):
+        if self.weight_transfer is None:  # vLLM 0.32's answer when started without --weight-transfer-config
+            return 500, {"error": {"message": "Weight transfer not configured. Please set weight_transfer_config "
+                                              "to enable weight transfer.", "type": "InternalServerError", "code": 500}}
         if body.get("init_info") is None:
             return 400, {"detail": "Missing 'init_info' in request body"}
+        if body["init_info"] == {} and self.weight_transfer != "disk":  # an NCCL backend needs the rendezvous
+            return 500, {"error": {"message": "missing master_address", "type": "InternalServerError", "code": 500}}
         return self._wait_for_peer(body, {"message": "Weight transfer initialized"}) if body["init_info"] else (
             200, {"message": "Weight transfer initialized"})
 
@@ -328,6 +341,21 @@ class FakeServer:
             self.loaded_paths.append(info["path"])
             return 200, {"message": "Weights updated"}
         return self._wait_for_peer(body, {"message": "Weights updated"})
+
+    def _vllm_rpc(self, body, query):
+        if body.get("method") is None:
+            return 400, {"detail": "Missing 'method' in request body"}
+        path = Path(body.get("kwargs", {}).get("weights_path", ""))
+        if body["method"] != "reload_weights" or not (path / "model.safetensors").exists():
+            return 500, {"error": {"message": f"cannot run {body['method']} on {path}", "code": 500}}
+        self.loaded_paths.append(str(path))
+        return 200, {"results": [None]}
+
+    def _vllm_set_version(self, body, query):
+        if not isinstance(body.get("new_version"), str):
+            return 422, {"detail": [{"type": "missing", "loc": ["body", "new_version"], "msg": "Field required"}]}
+        self.weight_version = body["new_version"]
+        return 200, {"success": True, "new_version": body["new_version"]}
 
     def _vllm_finish(self, body, query):
         if body.get("weight_version") is not None:
@@ -577,14 +605,51 @@ def test_an_external_deployment_reports_the_served_context_and_no_engine_counter
     assert (unlisted.model_name, unlisted.context_tokens, unlisted.engine_stats()) == ("served-model", None, {})
 
 
-def test_vllm_without_dev_mode_fails_at_start_up_with_the_launch_fix():
+VLLM_DEV_ROUTES = [("POST", "/init_weight_transfer_engine"), ("POST", "/collective_rpc"),
+                   ("POST", "/update_weight_version"), ("GET", "/weight_info"), ("POST", "/pause"), ("POST", "/resume")]
+
+
+def test_vllm_without_dev_mode_fails_at_start_up_naming_the_start_flag():
     async def main():
         async with fake_server() as server:
-            del server.routes[("POST", "/init_weight_transfer_engine")]  # a server without VLLM_SERVER_DEV_MODE=1
-            with pytest.raises(DeploymentError, match="HTTP 404.*VLLM_SERVER_DEV_MODE=1.*\"backend\": \"disk\""):
+            for route in VLLM_DEV_ROUTES:  # a server started without VLLM_SERVER_DEV_MODE=1
+                del server.routes[route]
+            with pytest.raises(DeploymentError) as info:
                 await connect_external_deployment(external_cfg("vllm", server.url), None, "served-model")
+            return str(info.value)
 
-    asyncio.run(main())
+    message = asyncio.run(main())
+    assert "POST /init_weight_transfer_engine answered HTTP 404" in message
+    assert "does not serve POST /collective_rpc, POST /update_weight_version, GET /weight_info" in message
+    assert "VLLM_SERVER_DEV_MODE=1" in message
+
+
+class NoPeer(NCCLBroadcaster):
+    """A broadcaster whose side of the rendezvous returns at once (the server's side fails first here)."""
+
+    def rendezvous(self, master_address, master_port, world_size, timeout_s):
+        pass
+
+
+def test_vllm_start_up_errors_name_the_missing_start_flags_whatever_the_status():
+    """A dev-mode server started without `--weight-transfer-config` answers the init call with HTTP 500: an
+    NCCL sync needs that flag; a disk sync on a server without the reload RPC cannot load at all."""
+
+    async def main():
+        async with fake_server(weight_transfer=None) as server:
+            with pytest.raises(DeploymentError) as nccl:
+                await VLLMWeightSync(server.url, transport="nccl", broadcaster=NoPeer(), timeout_s=5,
+                                     master_address="127.0.0.1", master_port=29557).init()
+            del server.routes[("POST", "/collective_rpc")]
+            with pytest.raises(DeploymentError) as disk:
+                await connect_external_deployment(external_cfg("vllm", server.url), None, "served-model")
+            return str(nccl.value), str(disk.value)
+
+    nccl, disk = asyncio.run(main())
+    assert "HTTP 500: Weight transfer not configured" in nccl
+    assert "VLLM_SERVER_DEV_MODE=1" in nccl and """--weight-transfer-config '{"backend": "nccl"}'""" in nccl
+    assert "HTTP 500 (Weight transfer not configured" in disk and "does not serve POST /collective_rpc" in disk
+    assert "VLLM_SERVER_DEV_MODE=1" in disk
 
 
 def test_openai_kind_refuses_a_server_that_gives_no_token_ids_at_start_up():
@@ -608,6 +673,7 @@ def test_openai_kind_refuses_a_server_that_gives_no_token_ids_at_start_up():
     assert probe["prompt"] == tok.encode("Hello", add_special_tokens=False) and probe["max_tokens"] == 1
     assert "return_token_ids" not in probe and "top_k" not in probe
     assert dep.version == 0 and metrics == {"weight_sync_time": 0.0}  # weight_sync='none'
+    assert not dep.syncs_at_start  # no weight sync: a run leaves the server's weights alone
 
 
 def test_start_deployment_picks_external_and_the_rollout_setup_uses_it(tmp_path):
@@ -624,13 +690,17 @@ def test_start_deployment_picks_external_and_the_rollout_setup_uses_it(tmp_path)
             return dep, setup
 
     dep, setup = asyncio.run(main())
-    assert isinstance(dep, ExternalDeployment) and dep.version == 1
+    assert isinstance(dep, ExternalDeployment) and dep.version == 1 and dep.syncs_at_start
     assert setup.sampler is dep.sampler and setup.inference_base_url == dep.base_url
     assert setup.model_name == "served-model"  # what the server serves, not the trainer's path
     assert (tmp_path / "step_1" / "config.json").exists()
 
 
 # ---- weight sync over disk -----------------------------------------------------------------------------------
+
+
+RESET = {"continue_new": ["POST /reset_prefix_cache"], "finish_old": []}
+"""`continue_new` empties vLLM's prefix cache after the load; `finish_old`'s pause (mode=wait) already did."""
 
 
 @pytest.mark.parametrize("inflight, mode", [("continue_new", "keep"), ("finish_old", "wait")])
@@ -647,11 +717,14 @@ def test_vllm_disk_sync_request_sequence_files_and_version(tmp_path, inflight, m
             return server, sync, first
 
     server, sync, first = asyncio.run(main())
+    assert sync.disk_load == "weight_transfer"  # the server's disk backend answered the init call
     step = ["POST /pause", "POST /start_weight_update", "POST /update_weights", "POST /finish_weight_update",
-            "POST /resume", "GET /weight_info"]
+            *RESET[inflight], "POST /resume", "GET /weight_info"]
     assert server.paths() == ["POST /init_weight_transfer_engine"] + step + step
     assert server.bodies("/init_weight_transfer_engine") == [{"init_info": {}}]
     assert [q for _, p, _, q in server.requests if p == "/pause"] == [{"mode": mode}] * 2
+    assert [q for _, p, _, q in server.requests if p == "/reset_prefix_cache"] == (
+        [{"reset_running_requests": "true"}] * 2 if inflight == "continue_new" else [])
     assert server.bodies("/update_weights") == [{"update_info": {"path": str(tmp_path.resolve() / f"step_{v}")}}
                                                 for v in (1, 2)]
     assert server.bodies("/finish_weight_update") == [{"weight_version": "1"}, {"weight_version": "2"}]
@@ -661,6 +734,41 @@ def test_vllm_disk_sync_request_sequence_files_and_version(tmp_path, inflight, m
     assert all(torch.equal(loaded[k], v) for k, v in small_state(2).items())
     assert (tmp_path / "step_2" / "config.json").exists()
     assert set(first) == {"weight_sync_time", "weight_sync_write_time", "weight_sync_bytes"}
+
+
+@pytest.mark.parametrize("inflight, mode", [("continue_new", "keep"), ("finish_old", "wait")])
+def test_vllm_disk_sync_without_a_disk_backend_reloads_the_directory(tmp_path, inflight, mode):
+    """Released vLLM (0.32) has no `disk` weight-transfer backend: its init call fails, and the sync reloads
+    the directory through the worker RPC, then sets the version, between a pause and a resume."""
+    config = tiny_config(260)
+
+    async def main():
+        async with fake_server(weight_transfer=None) as server:
+            sync = VLLMWeightSync(server.url, transport="disk", directory=tmp_path, model_config=config,
+                                  inflight_on_sync=inflight, timeout_s=5)
+            await sync.init()
+            await sync.sync(small_state(1), 1)
+            tied = small_state(2)
+            tied["lm_head.weight"] = tied["model.embed_tokens.weight"]  # one tensor under two names
+            await sync.sync(tied, 2)
+            return server, sync
+
+    server, sync = asyncio.run(main())
+    # Each name of a tied tensor is written: vLLM's CPU backend refreshes its LM head only when lm_head.weight loads.
+    loaded = load_file(str(tmp_path / "step_2" / "model.safetensors"))
+    assert torch.equal(loaded["lm_head.weight"], loaded["model.embed_tokens.weight"])
+    asked = ["POST /init_weight_transfer_engine", "POST /collective_rpc", "POST /update_weight_version",
+             "GET /weight_info"]
+    step = ["POST /pause", "POST /collective_rpc", "POST /update_weight_version", *RESET[inflight], "POST /resume",
+            "GET /weight_info"]
+    assert server.paths() == asked + step + step
+    assert sync.disk_load == "reload"
+    assert [q for _, p, _, q in server.requests if p == "/pause"] == [{"mode": mode}] * 2
+    assert server.bodies("/collective_rpc")[1:] == [
+        {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path.resolve() / f"step_{v}")}} for v in (1, 2)]
+    assert server.bodies("/update_weight_version")[1:] == [{"new_version": "1"}, {"new_version": "2"}]
+    assert sync.version == 2 and server.weight_version == "2"
+    assert not (tmp_path / "step_1").exists() and (tmp_path / "step_2" / "config.json").exists()
 
 
 def test_vllm_sync_fails_when_the_served_version_does_not_move(tmp_path):
@@ -746,7 +854,7 @@ def test_vllm_nccl_sync_request_sequence_and_broadcast_order():
     state = small_state(4)
 
     async def main():
-        async with fake_server(world_size=2) as server:
+        async with fake_server(world_size=2, weight_transfer="nccl") as server:
             broadcaster = RecordingBroadcaster(server)
             sync = VLLMWeightSync(server.url, transport="nccl", broadcaster=broadcaster, timeout_s=5,
                                   master_address="10.0.0.5", master_port=29556)
@@ -767,6 +875,80 @@ def test_vllm_nccl_sync_request_sequence_and_broadcast_order():
     (sent,) = broadcaster.sent
     assert all(torch.equal(a, b) for a, b in zip(sent, state.values(), strict=True))
     assert sync.version == 2
+
+
+# ---- a run's first sync -----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_server_thread(**kwargs):
+    """The fake server on an event loop of its own, for code that runs its own loop (a recipe's `main()`)."""
+    started, box = threading.Event(), {}
+
+    async def serve():
+        async with fake_server(**kwargs) as server:
+            box["server"], box["stop"] = server, asyncio.Event()
+            started.set()
+            await box["stop"].wait()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(10), "the fake server did not start"
+    try:
+        yield box["server"]
+    finally:
+        box["server"].loop.call_soon_threadsafe(box["stop"].set)
+        thread.join(10)
+
+
+def sampling_rollout_fn(setup):
+    async def rollout_fn(row, sample_index):
+        first, _ = await setup.sampler.sample(PROMPT, 2, max_tokens=3, timeout=5)
+        return sample_from_completion(PROMPT, first.output_ids, first.logprobs, reward=float(sample_index % 2))
+
+    return rollout_fn
+
+
+async def sampling_evaluation(setup, step):
+    await setup.sampler.sample(PROMPT, 2, max_tokens=3, timeout=5)
+    return {"reward": 0.0}
+
+
+def versions_and_samples(server: FakeServer) -> list[str]:
+    """In order: `v<version>` for each version a sync gave the server, `sample` for each completion request."""
+    seen = []
+    for _, path, body, _ in server.requests:
+        if path == "/update_weight_version" and "new_version" in body:
+            seen.append(f"v{body['new_version']}")
+        elif path == "/v1/completions":
+            seen.append("sample")
+    return seen
+
+
+def test_a_fresh_run_serves_its_step_0_weights_first_and_a_resumed_run_its_checkpoints(tmp_path):
+    """The server holds what an earlier run left (version 7): a fresh run pushes its step-0 weights as version 0
+    before its first evaluation or rollout; resumed, it pushes the checkpoint's weights under their version."""
+    rows = [{"id": f"r{i}"} for i in range(2)]
+
+    def run(server, epochs):
+        cfg = rl_loop.Config(
+            model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=1, epochs=epochs,
+            dcp_save_interval=1, log_path=str(tmp_path / "run"), progress=False,
+            sampling=SamplingConfig(max_tokens=3, timeout_s=30), trainer=TrainerConfig(learning_rate=1e-3),
+            deployment=external_cfg("vllm", server.url, weight_dir=str(tmp_path / "weights")))
+        rl_loop.main(cfg, rollout_fn_factory=sampling_rollout_fn, rows=rows, evaluation_fn=sampling_evaluation)
+        seen = versions_and_samples(server)
+        server.requests.clear()
+        return seen
+
+    with fake_server_thread(weight_transfer=None) as server:
+        server.weight_version = "7"
+        fresh = run(server, epochs=1)  # steps 1, 2
+        resumed = run(server, epochs=2)  # steps 3, 4
+    assert fresh[:2] == ["v0", "sample"]
+    assert [s for s in fresh if s != "sample"] == ["v0", "v1", "v2"]
+    assert resumed[:2] == ["v2", "sample"]
+    assert [s for s in resumed if s != "sample"] == ["v2", "v3", "v4"]
 
 
 # ---- config ---------------------------------------------------------------------------------------------------

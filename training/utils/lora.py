@@ -14,8 +14,9 @@ frozen and bit-identical. That gives three things without a second copy of the m
 - warm starts: `load_adapter` copies a PEFT adapter directory (peft's `save_pretrained`) into
   the trainer's adapter (`warm_start_from_adapter`).
 
-Every deployment receives merged full weights. Sending only the adapters (vLLM's and SGLang's
-LoRA-loading endpoints, a fraction of the bytes per sync) is future work.
+The merged state dict also carries the adapter it was merged from (`MergedState.adapter`, an
+`AdapterState` under peft's file names with its config), so a deployment that serves LoRA adapters
+(vLLM, `deploy/vllm_lora.py`) is sent those instead of the full weights.
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 
 
 @torch.no_grad()
-def merged_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The base model's state dict with each adapter merged in: `W + scaling·B·A`, base names.
+def merged_state_dict(model: torch.nn.Module) -> MergedState:
+    """The base model's state dict with each adapter merged in: `W + scaling·B·A`, base names; `.adapter` holds
+    the adapter itself.
 
     Weights without an adapter are the live tensors (not copied); merged ones are new tensors
     in the base weight's dtype (the sum is taken in float32, then rounded once).
@@ -87,7 +89,7 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    merged: dict[str, Tensor] = {}
+    merged = MergedState(adapter=adapter_state(model))
     for name, tensor in base.state_dict().items():
         if ".lora_" in name:
             continue
@@ -98,6 +100,43 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
             delta = module.get_delta_weight(ADAPTER)
             merged[f"{module_name}.weight"] = (weight.float() + delta.float()).to(weight.dtype)
     return merged
+
+
+class AdapterState(dict):
+    """The adapter's tensors under the names peft's `save_pretrained` writes (`...q_proj.lora_A.weight`), and its
+    `LoraConfig` (`config`); `save(path)` writes the two files of a PEFT adapter directory."""
+
+    def __init__(self, tensors: dict[str, Tensor], config) -> None:
+        super().__init__(tensors)
+        self.config = config
+
+    def save(self, path: str | Path) -> None:
+        """Write `adapter_model.safetensors` and `adapter_config.json` into the directory `path`."""
+        from safetensors.torch import save_file
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        save_file({name: t.detach().contiguous() for name, t in self.items()}, str(Path(path) / ADAPTER_WEIGHTS[0]))
+        self.config.save_pretrained(str(path))
+
+
+class MergedState(dict):
+    """What `merged_state_dict` returns: the merged weights under the base model's names, and (`adapter`) the
+    adapter they were merged from."""
+
+    def __init__(self, *, adapter: AdapterState) -> None:
+        super().__init__()
+        self.adapter = adapter
+
+
+def adapter_state(model: torch.nn.Module) -> AdapterState:
+    """The adapter of a peft-wrapped `model`: its live tensors (detached, not copied) under peft's file names."""
+    tensors = {_file_name(name): param.detach() for name, param in model.named_parameters() if ".lora_" in name}
+    return AdapterState(tensors, model.peft_config[ADAPTER])
+
+
+def _file_name(parameter_name: str) -> str:
+    """peft saves the parameter `<layer>.lora_A.<adapter name>.weight` as `<layer>.lora_A.weight`."""
+    return re.sub(rf"\.{ADAPTER}(?=\.|$)", "", parameter_name)
 
 
 def standalone_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -133,9 +172,7 @@ def load_adapter(model: torch.nn.Module, path: str | Path, *, rank: int, alpha: 
                           f", but trainer.lora_rank={rank}, trainer.lora_alpha={alpha:g}; set them to the adapter's")
     saved = load_file(weights_file) if weights_file.suffix == ".safetensors" else \
         torch.load(weights_file, map_location="cpu", weights_only=True)
-    # peft saves `<layer>.lora_A.weight` for the parameter `<layer>.lora_A.<adapter name>.weight`.
-    ours = {re.sub(rf"\.{ADAPTER}(?=\.|$)", "", name): (name, param)
-            for name, param in model.named_parameters() if param.requires_grad}
+    ours = {_file_name(name): (name, param) for name, param in model.named_parameters() if param.requires_grad}
     missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
     if missing or unexpected:
         first = f"the policy's {missing[0]}" if missing else f"the adapter's {unexpected[0]}"

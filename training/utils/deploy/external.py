@@ -110,6 +110,7 @@ async def connect_external_deployment(
     return ExternalDeployment(
         kind=cfg.kind, base_url=base_url, api_key=cfg.api_key, model_name=model_name, sampler=sampler,
         weight_sync=weight_sync, owned_weight_dir=own_dir, context_tokens=context_tokens,
+        syncs_at_start=not isinstance(weight_sync, NoWeightSync),
     )
 
 

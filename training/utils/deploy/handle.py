@@ -1,6 +1,6 @@
 """What every deployment hands the recipes, embedded or external: `base_url`, `api_key`, `model_name`,
-`sampler`, `weight_sync`, `version`, `context_tokens`, `engine_stats()` and `close()`, and the temporary
-weight directory it may own."""
+`sampler`, `weight_sync`, `version`, `context_tokens`, `syncs_at_start`, `engine_stats()` and `close()`, and the
+temporary weight directory it may own."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ class DeploymentHandle:
     """A directory for disk-synced weights that the deployment created, removed at `close`."""
     context_tokens: int | None = None
     """The longest context (prompt + completion tokens) the deployment serves; None when it does not say."""
+    syncs_at_start: bool = False
+    """Whether a fresh run pushes the trainer's step-0 weights (as version 0) before its first rollout or
+    evaluation: an external server with a weight sync may hold any weights, e.g. what an earlier run left in
+    it; the embedded engine starts from the trainer's."""
 
     @property
     def version(self) -> int:

@@ -50,7 +50,10 @@ class AdminClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> AdminClient:
-        self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        # A fresh connection per call: a server may close one after an error reply (uvicorn does when vLLM's
+        # handler raised), and the next call, a probe or the `/resume` after a failed load, must not land on it.
+        self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout,
+                                              connector=aiohttp.TCPConnector(force_close=True))
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -62,7 +65,10 @@ class AdminClient:
     async def post(self, path: str, body: dict | None = None, *, params: dict | None = None, hint: str = "") -> Any:
         return await self._call("POST", path, {} if body is None else body, params, hint)
 
-    async def _call(self, method: str, path: str, body, params, hint: str) -> Any:
+    async def answer(self, method: str, path: str, body: dict | None = None, *,
+                     params: dict | None = None) -> tuple[int, Any, str]:
+        """(HTTP status, JSON reply or None, the server's message when the status is an error) without raising
+        on an error status: how a client asks a server which endpoints it serves. A failed connection raises."""
         url = self.base_url + path
         try:
             async with self._session.request(method, url, json=body, params=params) as resp:
@@ -70,11 +76,21 @@ class AdminClient:
         except (aiohttp.ClientError, TimeoutError) as e:
             raise DeploymentError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
         data = json_or_none(text)
+        return status, data, error_message(data, text) if status >= 400 else ""
+
+    async def unserved(self, endpoints) -> list[str]:
+        """Which of `endpoints` ((method, path) pairs) the server does not serve, as "METHOD /path", asked without
+        side effects: a POST with an empty body gets a 400 or 422 from an endpoint that exists, a 404 otherwise."""
+        return [f"{method} {path}" for method, path in endpoints
+                if (await self.answer(method, path, None if method == "GET" else {}))[0] == 404]
+
+    async def _call(self, method: str, path: str, body, params, hint: str) -> Any:
+        status, data, message = await self.answer(method, path, body, params=params)
         if status >= 400:
-            raise DeploymentError(
-                f"{method} {url} answered HTTP {status}: {error_message(data, text)}"
-                + (f"; {hint}" if hint and status == 404 else "")  # hints explain a missing endpoint
-            )
+            # The hint (how to start the server) goes with every status: a server answers a missing start
+            # flag with a 404 (an endpoint it does not serve) or with a 400 or 500 (a feature not configured).
+            raise DeploymentError(f"{method} {self.base_url + path} answered HTTP {status}: {message}"
+                                  + (f"; {hint}" if hint else ""))
         if isinstance(data, dict) and data.get("success") is False:  # SGLang's admin replies
-            raise DeploymentError(f"{method} {url} reported failure: {data.get('message', data)}")
+            raise DeploymentError(f"{method} {self.base_url + path} reported failure: {data.get('message', data)}")
         return data

@@ -50,13 +50,12 @@ def write_weight_dir(state_dict: Mapping[str, torch.Tensor], final: Path, model_
     tmp.mkdir(parents=True)
     tensors, seen = {}, set()
     for name, tensor in state_dict.items():
-        # safetensors refuses tensors sharing storage (tied embeddings); the engine's tied
-        # copy is the same tensor, so writing one of them is enough.
+        # safetensors refuses tensors sharing storage, so a second name of a tied tensor (lm_head.weight of
+        # tied embeddings) is written as its own copy: a server may refresh a layer only when its name is
+        # loaded (vLLM's CPU backend keeps a packed copy of the LM head that a reload without it leaves stale).
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key in seen:
-            continue
+        tensors[name] = tensor.detach().clone() if key in seen else tensor.detach().contiguous()
         seen.add(key)
-        tensors[name] = tensor.detach().contiguous()
     save_file(tensors, str(tmp / "model.safetensors"))
     if model_config is not None:
         model_config.to_json_file(str(tmp / "config.json"))

@@ -294,8 +294,10 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
     shim = run = None
     try:
         start_step = progress.get("step", 0)
-        if start_step:
-            # The deployment starts from the resumed weights; it serves them under their version.
+        # The deployment serves the trainer's weights before the first rollout or evaluation: a resumed run pushes
+        # its checkpoint's under their version; a fresh run pushes its step-0 weights as version 0 when the server
+        # may hold others (an external server keeps whatever an earlier run left in it).
+        if start_step or deployment.syncs_at_start:
             await deployment.weight_sync.sync(await worker.run(policy.state_dict_for_inference), start_step)
         shim = await start_agent_shim(cfg, tokenizer, deployment)  # None unless cfg.agent_shim.enabled
         setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim)
