@@ -56,7 +56,9 @@ def main_cli() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_embedded:
             rows.append(run(main_job.model_copy(update={"log_path": f"{tmp}/embedded"}), "embedded"))
-        with running_vllm_server(vllm_venv(), model_dir, Path(tmp) / "vllm.log") as server:
+        # float32 as the trainer: vLLM's CPU bf16 path sampled too slowly here for the rollouts' timeout.
+        with running_vllm_server(vllm_venv(), model_dir, Path(tmp) / "vllm.log", extra_args=("--dtype", "float32")) \
+                as server:
             deployment = DeploymentConfig(kind="vllm", base_url=server.url, weight_sync="disk",
                                           weight_dir=f"{tmp}/weights")
             cfg = main_job.model_copy(update={"model": str(model_dir), "deployment": deployment,

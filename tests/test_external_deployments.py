@@ -970,3 +970,60 @@ def test_deployment_config_kinds_defaults_and_combinations():
     for kwargs, message in bad:
         with pytest.raises(ValidationError, match=message):
             DeploymentConfig(**kwargs)
+
+
+def test_a_request_the_paused_server_turns_away_waits_for_the_resume(tmp_path):
+    """Newer vLLM answers a request that arrives during a sync's `/pause?mode=wait` with 503 ("Generation is paused.
+    Please retry after it resumes."). The deployment's sampler knows the pause is its own sync's: the draw waits for
+    the resume and is served, where the plain retries (a fraction of a second here) would drop it."""
+
+    async def main():
+        async with fake_server(weight_transfer=None) as server:
+            paused = asyncio.Event()
+            reload_rpc = server.routes[("POST", "/collective_rpc")]
+
+            def pause(body, query):
+                paused.set()
+                return 200, {"status": "paused"}
+
+            def resume(body, query):
+                paused.clear()
+                return 200, {"status": "resumed"}
+
+            async def slow_reload(body, query):
+                await asyncio.sleep(1.0)  # a sync that outlasts the sampler's retries
+                return reload_rpc(body, query)
+
+            def completions(body, query):
+                if paused.is_set():
+                    return 503, {"error": {"message": "Generation is paused. Please retry after it resumes.",
+                                           "type": "ServiceUnavailableError", "code": 503}}
+                return 200, VLLM_COMPLETION
+
+            server.routes.update({("POST", "/pause"): pause, ("POST", "/resume"): resume,
+                                  ("POST", "/collective_rpc"): slow_reload, ("POST", "/v1/completions"): completions})
+            dep = await connect_external_deployment(external_cfg("vllm", server.url, weight_dir=str(tmp_path)), None,
+                                                    "served-model", model_config=tiny_config(260))
+            outsider = Sampler(server.url, "served-model", protocol=dep.sampler.protocol, max_retries=2,
+                               backoff_s=0.01)  # not told of the sync: what every sampler did before
+            dep.sampler.max_retries, dep.sampler.backoff_s = 2, 0.01
+            try:
+                results = []
+                for sampler in (dep.sampler, outsider):
+                    sync = asyncio.create_task(dep.weight_sync.sync(small_state(1), dep.weight_sync.version + 1))
+                    async with asyncio.timeout(10):
+                        await paused.wait()
+                    try:
+                        results.append(await sampler.sample(PROMPT, 2, max_tokens=3, timeout=30))
+                    except RecoverableDeploymentError as e:
+                        results.append(e)
+                    await sync
+                return results, [p for m, p, _, _ in server.requests if p == "/v1/completions"]
+            finally:
+                await outsider.close()
+                await dep.close()
+
+    (served, dropped), completion_calls = asyncio.run(main())
+    assert [c.output_ids for c in served] == [[10, 11, 12], [20, 2]]
+    assert isinstance(dropped, RecoverableDeploymentError) and "Generation is paused" in str(dropped)
+    assert len(completion_calls) >= 2 + 3  # the gated sampler tried again after the resume; the outsider 3 times

@@ -22,6 +22,8 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from real_engines import running_vllm_server, vllm_venv
+from training import DeploymentConfig
+from training.utils.deploy.external import connect_external_deployment
 from training.utils.deploy.http_client import AdminClient
 from training.utils.deploy.sampler import Sampler
 from training.utils.deploy.vllm import VLLMProtocol
@@ -142,6 +144,14 @@ class FakeVLLM:
             return 200, {"status": path[1:]}
         if (method, path) == ("POST", "/reset_prefix_cache"):
             return 200, {"success": True}
+        if (method, path) == ("GET", "/health"):
+            return 200, ""
+        if (method, path) == ("GET", "/v1/models"):
+            return 200, {"object": "list", "data": [{"id": "served-model", "object": "model", "max_model_len": 2048}]}
+        if (method, path) == ("POST", "/init_weight_transfer_engine"):  # started without --weight-transfer-config
+            return 500, {"error": {"message": "Weight transfer not configured.", "code": 500}}
+        if (method, path) == ("POST", "/collective_rpc"):
+            return (200, {"results": [None]}) if body else (400, {"detail": "Missing 'method' in request body"})
         return 404, {"detail": "Not Found"}
 
     def generate_reply(self, body):
@@ -211,6 +221,32 @@ def test_the_sampler_uses_generate_only_where_it_reports_versions(generate, chos
         assert "--enable-scale-out" in caplog.text
     else:
         assert "no weight_versions" in caplog.text
+
+
+@pytest.mark.parametrize("lora, loads_adapters, sync_class, model_name", [
+    (False, True, "VLLMWeightSync", "served-model"),
+    (True, True, "VLLMLoRASync", ADAPTER_NAME),
+    (True, False, "VLLMWeightSync", "served-model"),
+])
+def test_connecting_picks_the_generate_route_and_the_adapter_sync_from_what_the_server_serves(
+        tmp_path, lora, loads_adapters, sync_class, model_name):
+    """`kind="vllm"` asks the server: per-token versions through `/inference/v1/generate` when it answers with them,
+    and for a LoRA policy the adapter-only sync (and requests naming the adapter) when it loads adapters."""
+
+    async def main():
+        async with fake_vllm() as server:
+            if not loads_adapters:
+                server.missing.add("/v1/load_lora_adapter")
+            cfg = DeploymentConfig(kind="vllm", base_url=server.url, weight_sync="disk", weight_dir=str(tmp_path))
+            deployment = await connect_external_deployment(cfg, None, "served-model", lora=lora)
+            try:
+                sync, sampler = deployment.weight_sync, deployment.sampler
+                return (type(sync).__name__, deployment.model_name, sampler.model_name, sampler.protocol.name,
+                        sync.serving_gate is sampler.gate)
+            finally:
+                await deployment.close()
+
+    assert asyncio.run(main()) == (sync_class, model_name, model_name, "vllm-generate", True)
 
 
 # ---- LoRA-only sync -----------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from training.utils.deploy.engine import Engine
 from training.utils.deploy.external import ExternalDeployment, connect_external_deployment
 from training.utils.deploy.sampler import Sampler
 from training.utils.deploy.weight_sync import DiskWeightSync
-from training.utils.lora import standalone_copy
+from training.utils.lora import is_lora, standalone_copy
 
 __all__ = [
     "Completion",
@@ -47,5 +47,6 @@ async def start_deployment(
             sampling_timeout_s=sampling_timeout_s,
         )
     return await connect_external_deployment(
-        cfg, tokenizer, model_name, model_config=policy_model.config, sampling_timeout_s=sampling_timeout_s
+        cfg, tokenizer, model_name, model_config=policy_model.config, sampling_timeout_s=sampling_timeout_s,
+        lora=is_lora(policy_model),
     )

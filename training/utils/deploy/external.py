@@ -41,6 +41,8 @@ from training.utils.deploy.protocols import Protocol
 from training.utils.deploy.sampler import Sampler
 from training.utils.deploy.sglang import SGLangProtocol, SGLangWeightSync, log_served_model
 from training.utils.deploy.vllm import VLLMProtocol, VLLMWeightSync
+from training.utils.deploy.vllm_generate import use_generate_if_served
+from training.utils.deploy.vllm_lora import VLLMLoRASync, serves_lora_loading
 from training.utils.deploy.weight_sync import ExternalWeightSync, NoWeightSync, WeightSync
 from training.utils.errors import DeploymentError
 
@@ -59,10 +61,14 @@ class ServerKind:
     weight_sync: type[ExternalWeightSync] | None = None
     """None: the kind has no weight-update endpoints (`weight_sync='none'` only)."""
     check: ConnectCheck | None = None
+    adapter_sync: type[ExternalWeightSync] | None = None
+    """For a LoRA policy: the weight sync that sends only the adapter, taken when the server serves adapter loading
+    (`weight_sync='disk'`); None, or a server without it: the merged full weights."""
 
 
 SERVER_KINDS: dict[str, ServerKind] = {
-    "vllm": ServerKind(VLLMProtocol(), "/health", VLLMWeightSync),
+    "vllm": ServerKind(VLLMProtocol(), "/health", VLLMWeightSync, check=use_generate_if_served,
+                       adapter_sync=VLLMLoRASync),
     "sglang": ServerKind(SGLangProtocol(), "/health", SGLangWeightSync, check=log_served_model),
     "openai": ServerKind(OpenAIProtocol(), "/v1/models", check=probe_token_ids),
 }
@@ -82,12 +88,14 @@ async def connect_external_deployment(
     *,
     model_config=None,
     sampling_timeout_s: float = 300.0,
+    lora: bool = False,
 ) -> ExternalDeployment:
     """Check the server at `cfg.base_url` and return a sampler and weight sync bound to it.
 
     `model_name` is what requests name when the server serves it; otherwise the one model the
     server lists at `/v1/models`. `model_config` (the policy's HF config) is written as
-    `config.json` next to disk-synced weights.
+    `config.json` next to disk-synced weights. `lora`: the policy trains a LoRA adapter, so a server that
+    loads adapters is sent only the adapter, and requests name the adapter it serves it under.
     """
     kind = SERVER_KINDS.get(cfg.kind)
     if kind is None or not cfg.base_url:
@@ -103,7 +111,12 @@ async def connect_external_deployment(
         try:
             if kind.check is not None:
                 await kind.check(admin, sampler, tokenizer)
-            weight_sync, own_dir = await _connect_weight_sync(kind, cfg, base_url, model_config)
+            sync_class = await _weight_sync_class(kind, cfg, admin, lora)
+            weight_sync, own_dir = await _connect_weight_sync(sync_class, cfg, base_url, model_config)
+            if isinstance(weight_sync, ExternalWeightSync):
+                weight_sync.serving_gate = sampler.gate  # requests turned away during a sync wait for its resume
+            if isinstance(weight_sync, VLLMLoRASync):
+                model_name = sampler.model_name = weight_sync.adapter_name  # served once the first sync loads it
         except BaseException:
             await sampler.close()
             raise
@@ -114,19 +127,35 @@ async def connect_external_deployment(
     )
 
 
+async def _weight_sync_class(
+    kind: ServerKind, cfg: DeploymentConfig, admin: AdminClient, lora: bool
+) -> type[ExternalWeightSync] | None:
+    """The kind's weight sync for `cfg`: the adapter-only one for a LoRA policy when the server loads adapters
+    from a directory, else the full-weight one (None: the kind has none)."""
+    if not (lora and kind.adapter_sync is not None and cfg.weight_sync == "disk"):
+        return kind.weight_sync
+    if await serves_lora_loading(admin):
+        logger.info("%s loads LoRA adapters: weight syncs send the trainer's adapter only", admin.base_url)
+        return kind.adapter_sync
+    logger.info("%s does not load LoRA adapters at run time: weight syncs send the merged full weights (start it "
+                "with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True to send only the adapter)",
+                admin.base_url)
+    return kind.weight_sync
+
+
 async def _connect_weight_sync(
-    kind: ServerKind, cfg: DeploymentConfig, base_url: str, model_config
+    sync_class: type[ExternalWeightSync] | None, cfg: DeploymentConfig, base_url: str, model_config
 ) -> tuple[WeightSync, Path | None]:
     """The initialised weight sync `cfg.weight_sync` names, and the weight directory it created (if any)."""
     if cfg.weight_sync == "none":
         logger.warning("deployment.weight_sync='none': %s keeps its initial weights; trained updates never "
                        "reach the sampler", base_url)
         return NoWeightSync(0), None
-    if kind.weight_sync is None:
+    if sync_class is None:
         raise ValueError(f"deployment.kind={cfg.kind!r} supports only weight_sync='none'")
     directory, own_dir = weight_dir_for(cfg.weight_sync, cfg.weight_dir)
     try:
-        weight_sync = kind.weight_sync(
+        weight_sync = sync_class(
             base_url, transport=cfg.weight_sync, directory=directory, model_config=model_config,
             api_key=cfg.api_key, timeout_s=cfg.weight_sync_timeout_s, inflight_on_sync=cfg.inflight_on_sync,
             master_address=cfg.nccl_master_address, master_port=cfg.nccl_master_port,

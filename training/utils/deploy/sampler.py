@@ -7,7 +7,9 @@ logprobs and versions sit in the response) lives in the `Protocol` it is given: 
 (`protocols.py`) by default, or an external server kind's (`vllm.py`, `sglang.py`, `openai_compat.py`).
 
 Retries: connection errors, 5xx and 429 are retried with exponential backoff, then
-`RecoverableDeploymentError` (the rollout's draw is dropped and counted). A request that ran
+`RecoverableDeploymentError` (the rollout's draw is dropped and counted). A request the server
+turns away while one of our own weight syncs holds it paused (`ServingGate`) waits for the
+resume and is sent again without using up a retry. A request that ran
 out of its timeout (the server's 408, or no answer within the timeout plus a small allowance
 for the transport) is not retried: the timeout bounds the whole call, so it is a
 `RecoverableDeploymentError` at once. Any other 4xx raises `DeploymentError` with the
@@ -37,6 +39,37 @@ RETRY_STATUSES = frozenset({429})
 # Seconds added to a request's own timeout for the HTTP round trip: the server times out first
 # and says so, the client only when the server is unreachable or stalled.
 _TRANSPORT_SLACK_S = 10.0
+_IDLE_CONNECTION_S = 3.0
+
+
+class ServingGate:
+    """Closed while a weight sync holds the server paused.
+
+    Newer vLLM releases answer a request that arrives during `/pause?mode=wait` with HTTP 503 ("Generation is
+    paused. Please retry after it resumes.") where older ones queue it. That pause is the run's own doing, never a
+    failure of the server, so such a request waits for the gate to open and goes again instead of spending the
+    retries meant for real faults (and dropping the draw after a few seconds of a sync that takes longer).
+    """
+
+    def __init__(self):
+        self._open = asyncio.Event()
+        self._open.set()
+        self.closings = 0
+        """How many times the gate has closed: a request compares it before and after to see a pause it overlapped."""
+
+    def close(self) -> None:
+        self.closings += 1
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    async def wait_open(self) -> None:
+        await self._open.wait()
 
 
 class Sampler:
@@ -63,13 +96,17 @@ class Sampler:
         """Only used to encode a text prompt passed to `sample`."""
         self.backoff_s = float(backoff_s)
         self.protocol = protocol if protocol is not None else EmbeddedProtocol()
+        self.gate = ServingGate()
+        """Closed by the deployment's weight sync while it holds the server paused."""
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
-            connector = aiohttp.TCPConnector(limit=1024)
+            # Idle connections are dropped before uvicorn's 5 s keep-alive (vLLM, SGLang) closes them: a request
+            # sent on a connection the server is closing fails ("Server disconnected") and costs a retry.
+            connector = aiohttp.TCPConnector(limit=1024, keepalive_timeout=_IDLE_CONNECTION_S)
             self._session = aiohttp.ClientSession(headers=auth_headers(self.api_key), connector=connector)
             self._session_loop = loop
         return self._session
@@ -122,9 +159,13 @@ class Sampler:
         url = self.base_url + path
         where = f"POST {path}"  # what the errors name: never `url` (see the module docstring)
         last = "no attempt made"
-        for attempt in range(self.max_retries + 1):
+        deadline = asyncio.get_running_loop().time() + attempt_timeout
+        attempt = 0
+        while attempt <= self.max_retries:
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            attempt += 1
+            closings, open_when_sent = self.gate.closings, self.gate.is_open
             try:
                 async with self._get_session().post(
                     url, json=body, timeout=aiohttp.ClientTimeout(total=attempt_timeout)
@@ -138,7 +179,7 @@ class Sampler:
                 ) from None
             except aiohttp.ClientError as e:
                 # aiohttp's messages name the host and port; only the log may.
-                logger.warning("POST %s failed (attempt %d): %r", url, attempt + 1, e)
+                logger.warning("POST %s failed (attempt %d): %r", url, attempt, e)
                 last = type(e).__name__
                 continue
             data = json_or_none(text)
@@ -151,12 +192,26 @@ class Sampler:
                 )
             if status in RETRY_STATUSES or status >= 500 or status == 200:
                 last = f"HTTP {status}: {message}"
+                if not (open_when_sent and self.gate.is_open and self.gate.closings == closings):
+                    await self._wait_for_the_resume(where, deadline, last)
+                    attempt -= 1  # turned away during our own pause: not a fault, so not a retry
                 continue
             raise DeploymentError(f"{where} was rejected with HTTP {status}: {message}")
         raise RecoverableDeploymentError(
             f"{where} failed after {self.max_retries + 1} attempts (max_retries={self.max_retries}); "
             f"last error: {last}"
         )
+
+    async def _wait_for_the_resume(self, where: str, deadline: float, last: str) -> None:
+        """Wait until the weight sync that paused the server resumes it, within the request's own timeout."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self.gate.wait_open()
+        except TimeoutError:
+            raise RecoverableDeploymentError(
+                f"{where} was turned away while a weight sync paused the server ({last}), and the sync did not "
+                "resume it within the request's timeout"
+            ) from None
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:

@@ -31,6 +31,7 @@ import torch
 
 from training.utils.deploy.http_client import AdminClient, auth_headers
 from training.utils.deploy.nccl import NCCLBroadcaster
+from training.utils.deploy.sampler import ServingGate
 from training.utils.errors import DeploymentError
 
 
@@ -108,12 +109,11 @@ class InProcessWeightSync(WeightSync):
 
     async def sync(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         start = time.perf_counter()
+        # The engine enforces weight_sync_timeout_s itself; the outer bound only guards against a wedged
+        # worker thread. Not wait_for: on Python 3.11 it can lose a cancel that arrives as the copy ends (gh-86296).
         try:
-            # The engine enforces weight_sync_timeout_s itself; the outer bound only guards
-            # against a wedged worker thread.
-            await asyncio.wait_for(
-                asyncio.to_thread(self.engine.update_weights, dict(state_dict), version), self.timeout_s + 30
-            )
+            async with asyncio.timeout(self.timeout_s + 30):
+                await asyncio.to_thread(self.engine.update_weights, dict(state_dict), version)
         except TimeoutError:
             raise DeploymentError(
                 f"in-process weight sync to version {version} did not finish within {self.timeout_s + 30:g}s"
@@ -215,6 +215,9 @@ class ExternalWeightSync(WeightSync):
         self.master_port = int(master_port)
         self._steps = StepDirectories(self.directory, keep_last) if self.directory is not None else None
         self._ready = False
+        self.serving_gate = ServingGate()
+        """Closed from the pause to the resume of each sync; the deployment hands it its sampler's gate, so requests
+        the paused server turns away wait for the resume (`sampler.ServingGate`)."""
 
     def _admin(self) -> AdminClient:
         return AdminClient(self.base_url, self.api_key, self.timeout_s)
@@ -235,14 +238,18 @@ class ExternalWeightSync(WeightSync):
             metrics["weight_sync_write_time"] = time.perf_counter() - start
         await self.init()
         async with self._admin() as admin:
-            await self._pause(admin)
+            self.serving_gate.close()
             try:
-                if path is not None:
-                    await self._load_from_disk(admin, path, version)
-                else:
-                    await self._load_by_broadcast(admin, state_dict, version)
+                await self._pause(admin)
+                try:
+                    if path is not None:
+                        await self._load_from_disk(admin, path, version)
+                    else:
+                        await self._load_by_broadcast(admin, state_dict, version)
+                finally:
+                    await self._resume(admin)
             finally:
-                await self._resume(admin)
+                self.serving_gate.open()
             served = await self._served_version(admin)
         if served != str(version):
             raise DeploymentError(

@@ -1,15 +1,18 @@
 """GRPO on single-digit addition with SmolLM2-135M-Instruct, on a laptop CPU.
 
     python training/examples/rl/single_turn_token_in/train.py
+    python training/examples/rl/single_turn_token_in/train.py --vllm http://127.0.0.1:8000
 
 Runs the async recipe; for the synchronous baseline import from `training.recipes.rl_loop`
-instead (drop the async-only field `max_head_offpolicy_versions`).
+instead (drop the async-only field `max_head_offpolicy_versions`). `--vllm URL` samples from a
+vLLM server you started (README: Sampling from vLLM) instead of the embedded engine.
 """
 
+import argparse
 import json
 from pathlib import Path
 
-from training import SamplingConfig, TrainerConfig, read_jsonl, rollout_evaluation
+from training import DeploymentConfig, SamplingConfig, TrainerConfig, read_jsonl, rollout_evaluation
 from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn
 from training.recipes.async_rl_loop import Config, main
 
@@ -27,6 +30,13 @@ cfg = Config(
 )
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm", metavar="URL", help="sample from the vLLM server at URL (weights synced every step)")
+    args = parser.parse_args()
+    if args.vllm:
+        # The server may hold any weights: the run pushes its step-0 weights first, then syncs every step.
+        cfg = cfg.model_copy(update={"deployment": DeploymentConfig(kind="vllm", base_url=args.vllm),
+                                     "log_path": cfg.log_path + "_vllm"})
     summary = main(
         cfg,
         rollout_fn_factory=make_rollout_fn,
