@@ -4,7 +4,7 @@ For each request count N: N prompts of random token ids (as `sampler_throughput.
 concurrent, `max_tokens` new tokens each at temperature 1, sampled through the library's `Sampler` (what
 rollouts use) from (a) the embedded deployment (bf16 engine copy, `max_batch_requests=N`) and (b) vLLM's CPU
 build serving the same model in bf16 (`tests/real_engines.py` starts it: its own cached venv, 127.0.0.1,
-`--enforce-eager`, `--max-num-seqs` = the largest N). Throughput counts useful output tokens (up to and
+compiled as vLLM serves by default, `--max-num-seqs` = the largest N). Throughput counts useful output tokens (up to and
 including EOS). Both get the same cores: torch's threads for the engine (`--threads`), and for vLLM
 `VLLM_CPU_OMP_THREADS_BIND` set to the same cores (vLLM's `auto` binding would leave it one core here). The
 two run one after the other, never at once.
@@ -74,7 +74,8 @@ def main() -> None:
         rows[n] = {"embedded": asyncio.run(bench(model, tokenizer, embedded, prompts, args.max_tokens))}
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
     with tempfile.TemporaryDirectory() as tmp, running_vllm_server(
-            vllm_venv(), model_dir, Path(tmp) / "vllm.log", extra_args=("--max-num-seqs", str(max(args.requests)))
+            vllm_venv(), model_dir, Path(tmp) / "vllm.log", extra_args=("--max-num-seqs", str(max(args.requests))),
+            eager=False, timeout_s=900,  # compiled, as vLLM serves by default
     ) as server:
         external = DeploymentConfig(kind="vllm", base_url=server.url, weight_sync="none")
         for n in args.requests:

@@ -2,9 +2,10 @@
 same job on the embedded deployment: wall time, eval before -> after, and weight-sync time per step.
 
 The vLLM server is vLLM's CPU build from its cached venv (`tests/real_engines.py`, as the real_vllm test tier
-starts it), serving the trainer's starting checkpoint (the HF directory the `smollm2-135m-instruct` alias is
-converted into); the run syncs its weights to it through a directory every step (`weight_sync="disk"`). The two
-runs go one after the other, with the example's own config and seed, and only `model` and `deployment` changed.
+starts it) with the README's flags (bf16, compiled, `--enable-scale-out`), serving the trainer's starting checkpoint
+(the HF directory the `smollm2-135m-instruct` alias is converted into); the run syncs its weights to it through a
+directory every step (`weight_sync="disk"`). The two runs go one after the other, with the example's own config and
+seed, and only `model` and `deployment` changed.
 
     python benchmarks/main_job_on_vllm.py                 # both runs
     python benchmarks/main_job_on_vllm.py --skip-embedded # the vLLM run only
@@ -56,9 +57,9 @@ def main_cli() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_embedded:
             rows.append(run(main_job.model_copy(update={"log_path": f"{tmp}/embedded"}), "embedded"))
-        # float32 as the trainer: vLLM's CPU bf16 path sampled too slowly here for the rollouts' timeout.
-        with running_vllm_server(vllm_venv(), model_dir, Path(tmp) / "vllm.log", extra_args=("--dtype", "float32")) \
-                as server:
+        # The README's server: bf16, compiled, per-token weight versions.
+        with running_vllm_server(vllm_venv(), model_dir, Path(tmp) / "vllm.log", extra_args=("--enable-scale-out",),
+                                 eager=False, timeout_s=900) as server:
             deployment = DeploymentConfig(kind="vllm", base_url=server.url, weight_sync="disk",
                                           weight_dir=f"{tmp}/weights")
             cfg = main_job.model_copy(update={"model": str(model_dir), "deployment": deployment,

@@ -5,16 +5,20 @@ aiohttp, so the numbers are the shim's and not an SDK's). Greedy sampling (tempe
 with a fixed `max_tokens`, so both paths generate the same tokens for the same prompt.
 
 1. Latency, one turn at a time. Sessions of `--turns` turns each; every turn is one POST
-   (`/v1/chat/completions`, or `/v1/messages` with `--wire anthropic`) that appends a user
-   message to the conversation, and right after it the same prompt ids the shim sent go
-   straight to `deployment.sampler.sample` (side by side, interleaved turn by turn). A timing
-   wrapper around the shim's sampler measures the sampler call inside each shim request, so
+   (`/v1/chat/completions`; `/v1/messages` with `--wire anthropic`, `/v1/responses` with
+   `--wire responses`; `--wire all` rotates the sessions through the three and reports the
+   overhead per wire) that appends a user message to the conversation (and echoes the reply: a
+   Responses agent sends back its output items, as Codex does); right after it the same prompt
+   ids the shim sent go straight to `deployment.sampler.sample` (side by side, interleaved turn
+   by turn). A timing wrapper around the shim's sampler measures the sampler call inside each
+   shim request, so
        overhead = shim end-to-end − that sampler call
    excludes generation exactly (it is the request's HTTP round trip, JSON, session queue, turn
    matching, rendering, parsing, response building and recording).
-2. Throughput: `--sessions` agents at once, each with its own aiohttp client, `--load-turns`
-   turns each through the shim; then the same prompt ids replayed straight to the sampler with
-   the same concurrency. Reports turns/s for both and the CPU seconds per turn of this process.
+2. Throughput: `--sessions` agents at once (rotating through the wires with `--wire all`), each
+   with its own aiohttp client, `--load-turns` turns each through the shim; then the same prompt
+   ids replayed straight to the sampler with the same concurrency. Reports turns/s for both, the
+   CPU seconds per turn of this process, and how many turns were recorded (every one of them).
 3. With `--big-body-mb N`, parts 1 and 2 run while one N MB Anthropic body (an agent history of
    100 KB tool results, far past the context) is in flight the whole time, from a client process
    of its own (as an agent is): sent again as soon as its 400 comes back, on a session of its
@@ -23,6 +27,7 @@ with a fixed `max_tokens`, so both paths generate the same tokens for the same p
 
     python benchmarks/shim_overhead.py                                  # tiny random model, ~1 minute
     python benchmarks/shim_overhead.py --big-body-mb 40                 # the same, a 40 MB request in flight
+    python benchmarks/shim_overhead.py --wire all                       # the three wires side by side
     python benchmarks/shim_overhead.py --model smollm2-135m-instruct --max-tokens 4 --sessions 200
 """
 
@@ -45,6 +50,9 @@ from training.utils.deploy import start_embedded_deployment
 from training.utils.model import load_model_and_tokenizer
 from training.utils.rl.agent import AgentShim
 
+WIRES = ("openai", "anthropic", "responses")
+ROUTES = {"openai": "/v1/chat/completions", "anthropic": "/v1/messages", "responses": "/v1/responses"}
+
 
 class TimedSampler:
     """The deployment's sampler, timing each call and keeping its prompt ids, per affinity key."""
@@ -65,22 +73,26 @@ class Agent:
 
     def __init__(self, http: aiohttp.ClientSession, base_url: str, key: str, wire: str, name: str):
         self.http, self.wire, self.name = http, wire, name
-        self.url = base_url + ("/v1/messages" if wire == "anthropic" else "/v1/chat/completions")
+        self.url = base_url + ROUTES[wire]
         self.headers = {"Authorization": f"Bearer {key}"}
         self.system = f"You are agent {name}."
-        self.messages: list[dict] = [] if wire == "anthropic" else [{"role": "system", "content": self.system}]
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if wire == "openai" else []
 
     async def turn(self, k: int) -> None:
         self.messages.append({"role": "user", "content": f"{self.name}, step {k}: go on."})
-        body = {"model": "policy", "messages": self.messages}
+        body = {"model": "policy", "input" if self.wire == "responses" else "messages": self.messages}
         if self.wire == "anthropic":
             body |= {"system": self.system, "max_tokens": 1024}
+        elif self.wire == "responses":
+            body |= {"instructions": self.system, "store": False}
         async with self.http.post(self.url, json=body, headers=self.headers) as response:
             reply = await response.json()
             if response.status != 200:
                 raise RuntimeError(f"shim answered {response.status}: {reply}")
         if self.wire == "anthropic":
             self.messages.append({"role": "assistant", "content": reply["content"]})
+        elif self.wire == "responses":
+            self.messages += reply["output"]
         else:
             self.messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
 
@@ -92,11 +104,13 @@ def percentiles_ms(values: list[float]) -> dict[str, float]:
 
 
 async def measure_latency(shim: AgentShim, timed: TimedSampler, direct_kwargs: dict, *, sessions: int, turns: int,
-                          wire: str) -> dict:
+                          wires: tuple[str, ...]) -> dict:
     shim_s, inner_s, direct_s = [], [], []
+    overhead_by_wire: dict[str, list[float]] = {}
     async with aiohttp.ClientSession() as http:
         for i in range(sessions):
             session = shim.open_session(run_id=f"latency-{i}")
+            wire = wires[i % len(wires)]
             agent = Agent(http, session.base_url, session.key, wire, f"L{i}")
             for k in range(turns):
                 start = time.perf_counter()
@@ -104,6 +118,7 @@ async def measure_latency(shim: AgentShim, timed: TimedSampler, direct_kwargs: d
                 shim_s.append(time.perf_counter() - start)
                 prompt_ids, inner = timed.calls[session.affinity][-1]
                 inner_s.append(inner)
+                overhead_by_wire.setdefault(wire, []).append(shim_s[-1] - inner)
                 start = time.perf_counter()
                 await timed.inner.sample(prompt_ids, 1, **direct_kwargs)
                 direct_s.append(time.perf_counter() - start)
@@ -111,15 +126,16 @@ async def measure_latency(shim: AgentShim, timed: TimedSampler, direct_kwargs: d
     overhead = [s - i for s, i in zip(shim_s, inner_s)]
     return {"turns": len(shim_s), "shim_e2e_ms": percentiles_ms(shim_s),
             "sampler_inside_shim_ms": percentiles_ms(inner_s),
-            "direct_ms": percentiles_ms(direct_s), "overhead_ms": percentiles_ms(overhead)}
+            "direct_ms": percentiles_ms(direct_s), "overhead_ms": percentiles_ms(overhead),
+            "overhead_ms_by_wire": {wire: percentiles_ms(values) for wire, values in overhead_by_wire.items()}}
 
 
 async def measure_throughput(shim: AgentShim, timed: TimedSampler, direct_kwargs: dict, *, sessions: int, turns: int,
-                             wire: str) -> dict:
+                             wires: tuple[str, ...]) -> dict:
     async def agent_run(i: int) -> str:
         session = shim.open_session(run_id=f"load-{i}")
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
-            agent = Agent(http, session.base_url, session.key, wire, f"A{i}")
+            agent = Agent(http, session.base_url, session.key, wires[i % len(wires)], f"A{i}")
             for k in range(turns):
                 await agent.turn(k)
         segments = await shim.finish_session(session.key)
@@ -140,7 +156,7 @@ async def measure_throughput(shim: AgentShim, timed: TimedSampler, direct_kwargs
     await asyncio.gather(*(replay(a) for a in affinities))
     direct_wall, direct_cpu = time.perf_counter() - start, time.process_time() - cpu
     n = sessions * turns
-    return {"sessions": sessions, "turns_per_session": turns, "turns_recorded": recorded,
+    return {"sessions": sessions, "wires": list(wires), "turns_per_session": turns, "turns_recorded": recorded,
             "shim_turns_per_s": round(n / shim_wall, 1), "direct_turns_per_s": round(n / direct_wall, 1),
             "shim_vs_direct": round(direct_wall / shim_wall, 3),
             "shim_cpu_ms_per_turn": round(1000 * shim_cpu / n, 2),
@@ -211,12 +227,13 @@ async def bench(args) -> dict:
     direct_kwargs = dict(max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, stop=None, timeout=900)
     try:
         await shim.start()
-        await measure_latency(shim, timed, direct_kwargs, sessions=2, turns=3, wire=args.wire)  # warm-up
+        wires = WIRES if args.wire == "all" else (args.wire,)
+        await measure_latency(shim, timed, direct_kwargs, sessions=2 * len(wires), turns=3, wires=wires)  # warm-up
         big_client = await start_big_client(shim, args.big_body_mb) if args.big_body_mb else None
         latency = await measure_latency(shim, timed, direct_kwargs, sessions=args.latency_sessions, turns=args.turns,
-                                        wire=args.wire)
+                                        wires=wires)
         throughput = await measure_throughput(shim, timed, direct_kwargs, sessions=args.sessions,
-                                              turns=args.load_turns, wire=args.wire)
+                                              turns=args.load_turns, wires=wires)
         big_body = await stop_big_client(big_client) if big_client is not None else None
         stats = shim.stats
     finally:
@@ -231,7 +248,8 @@ async def bench(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny-random", help="alias or local HF directory")
-    parser.add_argument("--wire", choices=("openai", "anthropic"), default="openai")
+    parser.add_argument("--wire", choices=(*WIRES, "all"), default="openai",
+                        help="the wire the agents speak; all: sessions rotate through the three")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--latency-sessions", type=int, default=25, help="sequential sessions for the latency part")
     parser.add_argument("--turns", type=int, default=8, help="turns per latency session")
@@ -251,8 +269,10 @@ def main() -> None:
     print(f"model={result['model']} wire={result['wire']} max_tokens={result['max_tokens']} "
           f"threads={result['threads']}")
     print(f"latency over {lat['turns']} turns (ms)   p50      p99      mean")
-    for name in ("direct_ms", "sampler_inside_shim_ms", "shim_e2e_ms", "overhead_ms"):
-        m = lat[name]
+    rows = [(name, lat[name]) for name in ("direct_ms", "sampler_inside_shim_ms", "shim_e2e_ms", "overhead_ms")]
+    if len(lat["overhead_ms_by_wire"]) > 1:
+        rows += [(f"overhead_ms {wire}", m) for wire, m in lat["overhead_ms_by_wire"].items()]
+    for name, m in rows:
         print(f"  {name:<24} {m['p50']:8.2f} {m['p99']:8.2f} {m['mean']:8.2f}")
     print(f"throughput, {thr['sessions']} sessions x {thr['turns_per_session']} turns: shim {thr['shim_turns_per_s']} "
           f"turns/s, direct {thr['direct_turns_per_s']} turns/s ({thr['shim_vs_direct']:.2f}x); CPU per turn "

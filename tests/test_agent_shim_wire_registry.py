@@ -2,8 +2,8 @@
 
 A test-only wire format ("plain": one route, its own error shape) is put into
 `server.WIRE_FORMATS` and nothing else; a real `AgentShim` then serves it over HTTP, runs a
-model call through the shared flow, and answers its errors in its shape, while the built-in
-wires keep theirs.
+model call through the shared flow, and answers its errors in its shape, while the three built-in
+wires (Anthropic Messages, OpenAI Chat Completions, OpenAI Responses) keep theirs.
 """
 
 from __future__ import annotations
@@ -88,9 +88,22 @@ def test_a_registered_wire_format_is_served_with_its_own_error_shape(tiny, monke
             assert status == 401 and body["error"]["type"] == "authentication_error"
             status, body = await call(http, "POST", shim.base_url + "/v1/messages", {"messages": []})
             assert status == 401 and body["type"] == "error"
+            status, body = await call(http, "POST", shim.base_url + "/v1/responses", {"input": "hi"})
+            assert status == 401 and body["error"]["type"] == "authentication_error"
+            status, body = await call(http, "POST", shim.base_url + "/v1/responses/compact", {}, session.key)
+            assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
             assert len(spy.calls) == 1
 
     asyncio.run(scenario())
+
+
+def test_the_built_in_wire_formats_are_registered_with_their_routes():
+    routes = {name: [(route.method, route.path) for route in wire.routes] for name, wire in server.WIRE_FORMATS.items()}
+    assert routes == {
+        "anthropic": [("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens")],
+        "openai": [("POST", "/v1/chat/completions")],
+        "openai_responses": [("POST", "/v1/responses")],
+    }
 
 
 def test_an_unregistered_wire_format_is_not_served(tiny):

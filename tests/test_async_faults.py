@@ -5,9 +5,11 @@ import math
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from test_async_rl_loop import COMMON, ROWS
+from training import LossInputs, TokenLoss, register_policy_loss
 from training.recipes import async_rl_loop, rl_loop
 from training.utils.errors import (
     CircuitBreakerError,
@@ -18,6 +20,7 @@ from training.utils.errors import (
 )
 from training.utils.logging import read_ledger
 from training.utils.rl import training_run
+from training.utils.rl.losses import POLICY_LOSSES
 from training.utils.rl.rollout import invoke
 from training.utils.rl.rollout.types import RolloutSample, sample_from_completion
 
@@ -115,16 +118,37 @@ def test_circuit_breaker_stops_a_run_whose_rollouts_all_fail(tmp_path):
         async_rl_loop.main(summary_cfg, rollout_fn_factory=faulty_factory(lambda *a: "raise"), rows=ROWS)
 
 
-def test_nan_from_a_poisoned_batch_is_skipped_and_counted(tmp_path):
-    # Row r3's reward overflows float32 once it is an advantage times a logprob: its batch's loss
-    # and gradient are non-finite, so that optimizer step is skipped; the others train.
+POISON_REWARD = 1e15
+"""The largest reward a rollout may return; the loss below overflows float32 on its tokens."""
+
+
+@pytest.fixture
+def overflowing_loss():
+    """`reinforce` (−A·π) whose tokens with A ≥ `POISON_REWARD` overflow float32: a loss that goes non-finite on
+    one row's tokens, as a real one does on a bad batch (huge rewards themselves are refused at the boundary)."""
+
+    def loss(inp: LossInputs) -> TokenLoss:
+        per_token = -inp.advantages * inp.logprobs
+        poisoned = inp.advantages.abs() >= POISON_REWARD
+        return TokenLoss(torch.where(poisoned, per_token * inp.advantages * inp.advantages, per_token),
+                         torch.ones_like(per_token))
+
+    register_policy_loss("overflowing_reinforce")(loss)
+    yield "overflowing_reinforce"
+    POLICY_LOSSES.pop("overflowing_reinforce")
+
+
+def test_nan_from_a_poisoned_batch_is_skipped_and_counted(tmp_path, overflowing_loss):
+    # Row r3's loss overflows float32: its batch's loss and gradient are non-finite, so that optimizer step is
+    # skipped; the others train.
     def make_rollout_fn(setup):
         async def rollout_fn(row, sample_index):
-            return good_sample(row, sample_index, reward=3e38 if row["id"] == "r3" else None)
+            return good_sample(row, sample_index, reward=POISON_REWARD if row["id"] == "r3" else None)
 
         return rollout_fn
 
-    run_cfg = cfg(tmp_path, max_steps=4, advantage_estimator="reinforce", output_dir=str(tmp_path / "out"))
+    run_cfg = cfg(tmp_path, max_steps=4, advantage_estimator="reinforce", policy_loss=overflowing_loss,
+                  output_dir=str(tmp_path / "out"))
     summary = async_rl_loop.main(run_cfg, rollout_fn_factory=make_rollout_fn, rows=ROWS)
     steps = [r for r in read_ledger(summary["ledger"]) if "train/loss" in r]
     poisoned = [r for r in steps if "r3" in r["batch/row_ids"]]
@@ -173,17 +197,18 @@ def test_a_rollout_that_swallows_cancellation_is_named_and_abandoned(tmp_path, m
 
 
 @pytest.mark.parametrize("recipe", [async_rl_loop, rl_loop], ids=["async_rl_loop", "rl_loop"])
-def test_a_run_that_keeps_skipping_steps_stops_with_the_cause(tmp_path, recipe):
-    """Every reward overflows float32 once it is an advantage times a logprob: every step is skipped. The run
-    stops at the 4th step (4 of 4 skipped > max_skipped_step_fraction 0.5) instead of exiting 0."""
+def test_a_run_that_keeps_skipping_steps_stops_with_the_cause(tmp_path, recipe, overflowing_loss):
+    """Every row's loss overflows float32: every step is skipped. The run stops at the 4th step (4 of 4 skipped >
+    max_skipped_step_fraction 0.5) instead of exiting 0."""
 
     def make_rollout_fn(setup):
         async def rollout_fn(row, sample_index):
-            return good_sample(row, sample_index, reward=3e38)
+            return good_sample(row, sample_index, reward=POISON_REWARD)
 
         return rollout_fn
 
-    fields = COMMON | dict(max_steps=8, advantage_estimator="reinforce", log_path=str(tmp_path / "run"))
+    fields = COMMON | dict(max_steps=8, advantage_estimator="reinforce", policy_loss=overflowing_loss,
+                           log_path=str(tmp_path / "run"))
     with pytest.raises(SkippedStepsError, match=r"4 of 4 optimizer steps were skipped \(limits: max_skipped_steps=5, "
                                                 r"max_skipped_step_fraction=0.5\); the last one because gradient norm "
                                                 r"is (nan|inf)"):

@@ -175,3 +175,37 @@ def test_synchronous_training_is_on_policy_whatever_the_default_o():
     with pytest.raises(ValueError, match="trains on-policy, but max_head_offpolicy_versions=2"):
         async_rl_loop.Config(synchronous_training=True, max_head_offpolicy_versions=2)
     assert "max_head_offpolicy_versions" not in rl_loop.Config.model_fields
+
+
+def test_tis_is_on_by_default_off_policy_and_off_when_written_off():
+    from training.utils.config import TISConfig
+
+    assert async_rl_loop.Config(max_head_offpolicy_versions=1).tis == TISConfig()
+    assert async_rl_loop.Config(max_head_offpolicy_versions=1).tis.level == "token"
+    assert async_rl_loop.Config(max_head_offpolicy_versions=1, tis=None).tis is None
+    assert async_rl_loop.Config(max_head_offpolicy_versions=2, tis=TISConfig(cap=3.0)).tis == TISConfig(cap=3.0)
+    assert async_rl_loop.Config().tis is None and async_rl_loop.Config(synchronous_training=True).tis is None
+    assert rl_loop.Config().tis is None
+    # Still the default, not something the user wrote: it follows O when O is assigned later ...
+    cfg = async_rl_loop.Config()
+    cfg.max_head_offpolicy_versions = 1
+    assert cfg.tis == TISConfig() and "tis" not in cfg.model_fields_set
+    cfg.max_head_offpolicy_versions = 0
+    assert cfg.tis is None
+    # ... and a dumped config rebuilds to the same one.
+    written = async_rl_loop.Config(max_head_offpolicy_versions=1)
+    assert async_rl_loop.Config(**written.model_dump()) == written
+
+
+@pytest.mark.parametrize("written", [{}, {"tis": None}], ids=["unset", "written_off"])
+def test_an_off_policy_run_trains_with_tis_unless_written_off(tmp_path, written):
+    cfg = async_rl_loop.Config(**COMMON, **written, max_head_offpolicy_versions=1, log_path=str(tmp_path / "run"))
+    as_written = cfg.model_dump()
+    summary = async_rl_loop.main(cfg, rollout_fn_factory=deterministic_factory([]), rows=ROWS)
+    steps = trained(summary)
+    assert len(steps) == 3
+    if written:
+        assert not any("train/tis_weight_mean" in r for r in steps)
+    else:  # the weights clip(exp(π_old − μ), 0, cap=2) of the scripted logprobs
+        assert all(0 < r["train/tis_weight_mean"] <= 2.0 for r in steps)
+    assert cfg.model_dump() == as_written

@@ -41,12 +41,13 @@ def same_weights(policy: Trainer, expected: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(tensor, expected[name]) for name, tensor in policy.model.state_dict().items())
 
 
-def resume(log_path: Path, init_from_checkpoint: Path | None = None) -> tuple[dict, Trainer]:
-    """What both recipes do at start-up, into a fresh trainer: `startup.restore`."""
+def resume(log_path: Path, init_from_checkpoint: Path | None = None, **fields) -> tuple[dict, Trainer]:
+    """What both recipes do at start-up, into a fresh trainer: `startup.restore` (these checkpoints record no
+    settings to check)."""
     cfg = RLConfig(model="tiny-random", log_path=str(log_path),
-                   init_from_checkpoint=str(init_from_checkpoint) if init_from_checkpoint else None)
+                   init_from_checkpoint=str(init_from_checkpoint) if init_from_checkpoint else None, **fields)
     policy = fresh_trainer()
-    return restore(cfg, policy, np.random.default_rng(0)), policy
+    return restore(cfg, policy, np.random.default_rng(0), settings={}), policy
 
 
 @pytest.fixture
@@ -136,7 +137,7 @@ def test_damaged_explicit_checkpoint_raises_and_does_not_fall_back(run):
     cfg = RLConfig(model="tiny-random", log_path=str(log_path), init_from_checkpoint=str(checkpoint_dir(log_path, 4)))
     policy = fresh_trainer()
     with pytest.raises(CheckpointError) as error:
-        restore(cfg, policy, np.random.default_rng(0))
+        restore(cfg, policy, np.random.default_rng(0), settings={})
     assert str(bad) in str(error.value) and "init_from_checkpoint" in str(error.value)
     assert same_weights(policy, untouched)  # checkpoint 2 was good, and still not loaded
 
@@ -192,25 +193,50 @@ def test_leftover_tmp_is_never_picked_and_is_cleaned_up(run):
     assert sorted(p.name for p in root.iterdir()) == ["step-00000004", "step-00000006"]
 
 
-def test_checkpoint_without_checksums_loads_with_a_warning(run, caplog):
-    """Checkpoints written before checksums existed still resume, flagged as unverified."""
+@pytest.mark.parametrize("also_damaged", [False, True], ids=["intact", "flipped"])
+def test_a_checkpoint_without_checksums_counts_as_damaged(run, caplog, also_damaged):
+    """Deleting `checksums.json` must not make flipped bytes load "unverified": without its manifest a checkpoint
+    falls back like a damaged one, whether or not its bytes changed, since nothing can tell."""
+    log_path, saved = run
+    manifest = checkpoint_dir(log_path, 4) / MANIFEST_FILE
+    manifest.unlink()
+    if also_damaged:
+        flip_bytes(log_path, 4)
+    with caplog.at_level(logging.WARNING, logger=CHECKPOINT_LOG):
+        progress, policy = resume(log_path)
+    assert progress == {"step": 2} and same_weights(policy, saved[2]) and policy.step == 1
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert f"{manifest} is missing" in warning and "falling back" in warning
+    assert "allow_unverified_checkpoint=True" in warning
+
+
+def test_a_checkpoint_named_without_checksums_is_an_error(run):
+    log_path, _ = run
+    (checkpoint_dir(log_path, 2) / MANIFEST_FILE).unlink()
+    with pytest.raises(CheckpointError, match=rf"{checkpoint_dir(log_path, 2) / MANIFEST_FILE} is missing.*"
+                                              "allow_unverified_checkpoint=True"):
+        resume(log_path, init_from_checkpoint=checkpoint_dir(log_path, 2))
+
+
+def test_a_checkpoint_without_checksums_loads_when_asked_with_a_warning(run, caplog):
+    """Checkpoints written before checksums existed still resume when the user says so, flagged as unverified."""
     log_path, saved = run
     (checkpoint_dir(log_path, 4) / MANIFEST_FILE).unlink()
     with caplog.at_level(logging.WARNING, logger=CHECKPOINT_LOG):
-        progress, policy = resume(log_path)
+        progress, policy = resume(log_path, allow_unverified_checkpoint=True)
     assert progress == {"step": 4} and same_weights(policy, saved[4])
     warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "step-00000004" in warning and "unverified" in warning
 
 
 def test_unreadable_checkpoint_without_checksums_falls_back(run, caplog):
-    """Without a manifest damage shows only as a read error mid-load; the previous checkpoint then
+    """Loaded unverified, damage shows only as a read error mid-load; the previous checkpoint then
     loads whole, over whatever the failed read had already written into the model."""
     log_path, saved = run
     (checkpoint_dir(log_path, 4) / MANIFEST_FILE).unlink()
     truncate(log_path, 4)
     with caplog.at_level(logging.WARNING, logger=CHECKPOINT_LOG):
-        progress, policy = resume(log_path)
+        progress, policy = resume(log_path, allow_unverified_checkpoint=True)
     assert progress == {"step": 2} and same_weights(policy, saved[2])
     assert any("step-00000004" in r.getMessage() and "falling back" in r.getMessage() for r in caplog.records)
 

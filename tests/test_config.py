@@ -88,7 +88,7 @@ def test_a_warmup_longer_than_the_run_warns(caplog, warmup_steps, warns):
     cfg = RLConfig(model="tiny-random", ppo_epochs=2, ppo_minibatches=2,
                    trainer=TrainerConfig(warmup_steps=warmup_steps))
     with caplog.at_level(logging.WARNING, logger="training"):
-        policy, _, _ = startup.setup_trainers(cfg, total_steps=2)
+        policy, _, _, _ = startup.setup_trainers(cfg, total_steps=2)
     assert policy.cfg.total_steps == 8
     messages = [r.getMessage() for r in caplog.records if r.name == "training"]
     if warns:

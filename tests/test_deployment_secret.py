@@ -111,7 +111,7 @@ def test_weight_update_without_the_secret_loads_nothing(tiny, tmp_path):
     request = {"model_path": str(weights), "version": 1}
 
     async def main():
-        async with deployed(model, tok) as dep:
+        async with deployed(model, tok, weight_sync="disk", weight_dir=str(tmp_path)) as dep:
             url = dep.base_url + "/update_weights_from_disk"
             (before,) = await dep.sampler.sample(PROMPT, max_tokens=6, temperature=0)
             refused = await _status("POST", url, body=request)

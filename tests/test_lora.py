@@ -133,7 +133,7 @@ def test_merged_export_matches_the_adapter_forward(trained, tmp_path):
 
 def test_setup_trainers_shares_one_model_between_policy_and_reference():
     cfg = rl_loop.Config(model="tiny-random", kl_beta=0.1, trainer=TrainerConfig(**LORA), progress=False)
-    policy, reference, _ = startup.setup_trainers(cfg, total_steps=2)
+    policy, reference, _, _ = startup.setup_trainers(cfg, total_steps=2)
     assert policy.lora and isinstance(reference, AdapterDisabledReference) and reference.policy is policy
     no_kl = rl_loop.Config(model="tiny-random", trainer=TrainerConfig(**LORA), progress=False)
     assert startup.setup_trainers(no_kl, total_steps=2)[1] is None
@@ -154,8 +154,8 @@ def test_rl_loop_with_lora_and_kl_serves_the_merged_policy(tmp_path, monkeypatch
     built = {}
 
     def capture(*args, **kwargs):
-        built["policy"], built["reference"], tokenizer = startup.setup_trainers(*args, **kwargs)
-        return built["policy"], built["reference"], tokenizer
+        built["policy"], built["reference"], tokenizer, model = startup.setup_trainers(*args, **kwargs)
+        return built["policy"], built["reference"], tokenizer, model
 
     monkeypatch.setattr(training_run, "setup_trainers", capture)
     served = {}

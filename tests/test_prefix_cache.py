@@ -308,6 +308,25 @@ def test_a_zero_budget_turns_the_cache_off(tiny):
         DeploymentConfig(prefix_cache_tokens=-1)
 
 
+def test_the_default_budget_keeps_a_prompt_longer_than_the_old_fixed_one(tiny):
+    """An agent's prompt (a CLI's system prompt and tools) outgrows a fixed budget of 8192 tokens, which then keeps
+    nothing. Unset, the budget is four prompts of the context served: a 9000-token prompt is kept, and a second
+    draw of it prefills only its last token."""
+    model, tok = tiny
+    prompt = tokens(9000, 0)
+
+    async def two_draws(engine):
+        return [await sample(engine, prompt, seed, max_tokens=2) for seed in range(2)]
+
+    engine = engine_for(model, tok, max_context_tokens=12_000)
+    try:
+        asyncio.run(two_draws(engine))
+        assert engine._prefix_cache.max_tokens == 4 * 12_000
+        assert (engine.stats["prefill_tokens"], engine.stats["prefix_cache_hit_tokens"]) == (9000 + 1, 8999)
+    finally:
+        engine.close()
+
+
 # ---------------------------------------------------------------------------- per-step metrics
 
 

@@ -220,3 +220,70 @@ def test_rollout_evaluation_makes_its_rollout_once_per_run_setup():
     results = [asyncio.run(evaluation_fn(setup, step)) for setup, step in ((first, 0), (first, 1), (second, 0))]
     assert made == ["first", "second"]
     assert [r["reward"] for r in results] == [0.0, 0.0, 1.0]
+
+
+def one_bad_draw_factory(bad_sample):
+    """Row r1's draw 1 returns `bad_sample(row)`; every other draw a short, valid sample."""
+
+    def make_rollout_fn(setup):
+        async def rollout_fn(row, sample_index):
+            if row["id"] == "r1" and sample_index == 1:
+                return bad_sample(row)
+            return sample_from_completion(row["prompt_token_ids"], [70 + sample_index, 80], [-1.0, -2.0],
+                                          reward=float(sample_index))
+
+        return rollout_fn
+
+    return make_rollout_fn
+
+
+def stops_before_training(recipe, tmp_path, bad_sample, error, **fields):
+    """Run `recipe` on 4 rows, 2 a step, with one bad draw: it stops with `error`, and no step trained."""
+    from training.recipes import async_rl_loop
+    from training.utils.config import SamplingConfig
+    from training.utils.logging import read_ledger
+
+    rows = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50]} for i in range(4)]
+    extra = {"max_head_offpolicy_versions": 0} if recipe is async_rl_loop else {}
+    cfg = recipe.Config(model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=4, max_steps=1,
+                        log_path=str(tmp_path), sampling=SamplingConfig(max_tokens=4), progress=False,
+                        **extra | fields)
+    with pytest.raises(RolloutContractError) as raised:
+        recipe.main(cfg, rollout_fn_factory=one_bad_draw_factory(bad_sample), rows=rows)
+    assert str(raised.value) == error
+    ledger = tmp_path / "metrics.jsonl"
+    assert not [r for r in (read_ledger(ledger) if ledger.exists() else []) if "train/loss" in r]
+
+
+def long_sample(tokens):
+    return lambda row: sample_from_completion(row["prompt_token_ids"], [70] * (tokens - 3), [-1.0] * (tokens - 3),
+                                              reward=1.0)
+
+
+def test_a_sample_longer_than_the_model_context_stops_the_run_naming_it(tmp_path):
+    """tiny-random has a 1,024-token context (`max_position_embeddings`, which the embedded engine serves too)."""
+    from training.recipes import rl_loop
+
+    stops_before_training(rl_loop, tmp_path, long_sample(1025), (
+        "row 'r1' draw 1 segment 0: tokens has 1025 entries, more than the 1024 the run can train (the policy's "
+        "context (its max_position_embeddings)); shorten the rollout (sampling.max_tokens, fewer turns) or drop the "
+        "draw by returning None"))
+
+
+def test_a_sample_longer_than_max_sequence_tokens_stops_the_async_run_naming_it(tmp_path):
+    from training.recipes import async_rl_loop
+
+    stops_before_training(async_rl_loop, tmp_path, long_sample(100_000), (
+        "row 'r1' draw 1 segment 0: tokens has 100000 entries, more than the 64 the run can train "
+        "(max_sequence_tokens); shorten the rollout (sampling.max_tokens, fewer turns) or drop the draw by returning "
+        "None"), max_sequence_tokens=64)
+
+
+def test_an_overflowing_reward_stops_the_run_naming_row_and_draw(tmp_path):
+    from training.recipes import rl_loop
+
+    huge_reward = lambda row: sample_from_completion(row["prompt_token_ids"], [70, 80], [-1.0, -2.0],  # noqa: E731
+                                                     reward=-1e200)
+    stops_before_training(rl_loop, tmp_path, huge_reward, (
+        "row 'r1' draw 1 segment 0: reward is -1e+200, outside [-1e+15, 1e+15]: beyond that the advantage "
+        "arithmetic overflows; rescale the reward"))

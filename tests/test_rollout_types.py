@@ -3,16 +3,20 @@
 import math
 
 import pytest
+import torch
 
 from training.utils.errors import RolloutContractError
+from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS, MAX_ABS_REWARD, compute_advantages
 from training.utils.rl.rollout.types import (
     Datum,
     PromptGroup,
     RolloutRun,
     RolloutSample,
+    SequenceLimit,
     make_prompt_group,
     pack_run,
     sample_from_completion,
+    sequence_limit,
     validate_run,
 )
 
@@ -180,3 +184,71 @@ def test_raw_logprobs_are_checked_like_logprobs():
     (datum,) = pack_run(validate_run(sample, row_id="q17", draw_index=3, vocab_size=100), advantage=1.0)
     assert datum.behaviour_logprobs == [0.0, -0.5, -1.0, -0.25]
 
+
+
+@pytest.mark.parametrize("reward, shown", [(1e200, "1e+200"), (-1e200, "-1e+200"), (2e15, "2e+15"),
+                                           (10**400, "an int of about 401 digits")])
+def test_a_reward_the_advantages_cannot_hold_names_row_and_draw(reward, shown):
+    check(good_sample(reward=reward),
+          f"row 'q17' draw 3 segment 0: reward is {shown}, outside [-1e+15, 1e+15]: beyond that the advantage "
+          "arithmetic overflows; rescale the reward")
+
+
+def test_the_largest_rewards_allowed_keep_every_estimator_finite():
+    """At ±MAX_ABS_REWARD, in groups as small and as large as a run has, the advantages are finite and fit
+    float32, where the loss multiplies them."""
+    run = validate_run(good_sample(reward=-MAX_ABS_REWARD), row_id="q", draw_index=0, vocab_size=100)
+    for estimator in ADVANTAGE_ESTIMATORS:
+        for g in (2, 64):
+            rewards_G = [MAX_ABS_REWARD if i % 2 else run.reward for i in range(g)]
+            advantages = [a for group in compute_advantages([rewards_G, rewards_G], estimator) for a in group]
+            assert all(math.isfinite(a) and abs(a) < 1e20 for a in advantages), estimator
+            assert torch.isfinite(torch.tensor(advantages, dtype=torch.float32)).all()
+
+
+def test_a_logprob_beyond_float32_names_row_draw_and_position():
+    check(good_sample(logprobs=[0.0, 0.0, -0.5, -1e200, -0.25]),
+          "row 'q17' draw 3 segment 0: logprobs[3] is -1e+200 at a trained position, below -1e+15: no sampler gives "
+          "a token it sampled such a logprob (past -3.4e38 the trainer's float32 holds it as -inf)")
+    check(good_sample(raw_logprobs=[0.0, 0.0, -(10**400), -1.0, -0.25]),
+          "row 'q17' draw 3 segment 0: raw_logprobs[2] is an int of about 401 digits at a trained position, below "
+          "-1e+15: no sampler gives a token it sampled such a logprob (past -3.4e38 the trainer's float32 holds it "
+          "as -inf)")
+    # Context positions are still not read.
+    validate_run(good_sample(logprobs=[-1e200, 0.0, -0.5, -1.0, -0.25]), row_id="q", draw_index=0, vocab_size=100)
+
+
+class Untouchable(list):
+    """A token list whose elements must not be read: only its length may be asked."""
+
+    def __iter__(self):
+        raise AssertionError("a per-token check ran before the length was checked")
+
+    def __getitem__(self, index):
+        raise AssertionError("a per-token check ran before the length was checked")
+
+
+def test_a_segment_longer_than_the_limit_is_refused_before_any_per_token_work():
+    n = 1_000_000
+    huge = RolloutSample(tokens=Untouchable(range(n)), logprobs=Untouchable([0.0] * n),
+                         loss_mask=Untouchable([1] * n), reward=1.0)
+    run = RolloutRun(segments=[good_sample(), huge])
+    limit = SequenceLimit(1024, "the policy's context (its max_position_embeddings)")
+    with pytest.raises(RolloutContractError) as err:
+        validate_run(run, row_id="q17", draw_index=3, vocab_size=100, limit=limit)
+    assert str(err.value) == (
+        "row 'q17' draw 3 segment 1: tokens has 1000000 entries, more than the 1024 the run can train (the policy's "
+        "context (its max_position_embeddings)); shorten the rollout (sampling.max_tokens, fewer turns) or drop the "
+        "draw by returning None")
+    at_limit = good_sample(tokens=[5] * 1024, logprobs=[0.0] * 1023 + [-1.0], loss_mask=[0] * 1023 + [1])
+    assert validate_run(at_limit, row_id="q17", draw_index=3, vocab_size=100, limit=limit).segments == [at_limit]
+
+
+def test_the_sequence_limit_is_the_least_bound_known_and_names_it():
+    assert sequence_limit(configured=None, model_positions=None, deployment_context=None) is None
+    assert sequence_limit(configured=None, model_positions=2048, deployment_context=1024) == SequenceLimit(
+        1024, "the deployment's context length")
+    assert sequence_limit(configured=4096, model_positions=2048, deployment_context=None) == SequenceLimit(
+        2048, "the policy's context (its max_position_embeddings)")
+    assert sequence_limit(configured=512, model_positions=2048, deployment_context=2048) == SequenceLimit(
+        512, "max_sequence_tokens")

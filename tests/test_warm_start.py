@@ -83,8 +83,8 @@ def run_capturing(recipe, cfg, monkeypatch):
     built, at_start, cursor_indices = {}, {}, []
 
     def capture(*args, **kwargs):
-        built["policy"], built["reference"], tokenizer = startup.setup_trainers(*args, **kwargs)
-        return built["policy"], built["reference"], tokenizer
+        built["policy"], built["reference"], tokenizer, model = startup.setup_trainers(*args, **kwargs)
+        return built["policy"], built["reference"], tokenizer, model
 
     monkeypatch.setattr(training_run, "setup_trainers", capture)
 

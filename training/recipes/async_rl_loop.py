@@ -11,7 +11,8 @@ What the algorithm is:
    default, is on-policy at submission; `synchronous_training=True` also forbids overlap.
 3. The ratio's anchor π_old is recomputed with the pre-update weights (`anchor_logp=
    "old_policy"`), so the PPO clip only bounds the update within a batch; the staleness of
-   the samples themselves is corrected only when `tis` is set (weight exp(π_old − μ)).
+   the samples themselves is corrected by `tis` (weight exp(π_old − μ)), token-level TIS by
+   default when O >= 1 (`tis=None` written out turns it off).
 
 The trainer side of each batch has the same five phases as `rl_loop`:
   1. Take the next batch of accepted groups, chunk by chunk, as the producer settles them.
@@ -38,7 +39,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from training.utils.config import RLConfig
+from training.utils.config import RLConfig, TISConfig
 from training.utils.deploy import Deployment
 from training.utils.rl.async_rl import BatchCoordinator, CircuitBreaker, OffPolicyGate, RolloutProducer
 from training.utils.rl.groups import SettledRow, group_of, rollout_metrics
@@ -54,7 +55,8 @@ class Config(RLConfig):
     max_head_offpolicy_versions: int = Field(0, ge=0)
     """O: rows may be submitted while up to O batches beyond the published version are accepted or
     in flight, i.e. at most O+1 batches of samples outstanding. The default 0 is on-policy at submission
-    (with one chunk, the batches of `rl_loop`); O >= 1 lets sampling overlap training."""
+    (with one chunk, the batches of `rl_loop`); O >= 1 lets sampling overlap training, and turns token-level
+    `tis` on unless `tis` is written (`tis=None` keeps it off)."""
     max_concurrency_rollout_sample: int | None = Field(None, ge=1)
     """C: most rollout_fn calls in flight at once; None leaves only the staleness budget. Must be >= G."""
     pipeline_chunks_per_step: int = Field(1, ge=1)
@@ -86,6 +88,15 @@ class Config(RLConfig):
         if isinstance(data, dict) and data.get("synchronous_training") and "max_head_offpolicy_versions" not in data:
             data = {**data, "max_head_offpolicy_versions": 0}
         return data
+
+    @model_validator(mode="after")
+    def _tis_when_off_policy(self) -> Config:
+        # Samples up to O versions old need the correction: without it the async recipe learned worse than
+        # rl_loop (issue 28). Only when the user wrote nothing for `tis`; `tis=None` written out keeps it off.
+        # Set beside validation, so `tis` stays out of `model_fields_set`: still the default, also on assignment.
+        if "tis" not in self.model_fields_set:
+            object.__setattr__(self, "tis", TISConfig() if self.max_head_offpolicy_versions >= 1 else None)
+        return self
 
     @model_validator(mode="after")
     def _check_async(self) -> Config:

@@ -16,13 +16,17 @@ leaves anything but the previous checkpoint as the newest complete one.
 
 Integrity rules:
 - `load_checkpoint` checks the files against `checksums.json` before reading any of them and raises
-  `CheckpointError` naming a missing, truncated or changed file. A checkpoint from before checksums
-  (no manifest) loads with a warning that it cannot be verified.
+  `CheckpointError` naming a missing, truncated or changed file. A checkpoint without a manifest (written
+  before checksums, or whose manifest was deleted) is damaged like one with a changed file, since nothing
+  can tell its bytes are the ones written; `allow_unverified=True` loads it anyway, with a warning.
 - `load_weights` (a warm start) checks the files the same way, then loads only the policy's weights.
 - `load_latest_verified` (what the recipes call at start-up) loads an explicitly named checkpoint or
   fails; otherwise it walks back from the newest checkpoint past damaged ones with a warning each,
   and raises `CheckpointError` if none loads. A later save deletes checkpoints with a higher step
   than its own (the damaged one it fell back past), so they cannot outrank the resumed run.
+  Its `check_progress` sees a checkpoint's progress (from `progress.json`, which the manifest covers)
+  before anything is loaded, so a resume it refuses (another model, other settings) stops before a
+  tensor is read, with its own error, not a fallback.
 - Only names exactly `step-<digits>` are checkpoints; anything else in `checkpoints/` is ignored.
   Leftover `step-<digits>.tmp` directories of an interrupted save are never loaded; start-up and the
   next save delete them.
@@ -46,6 +50,7 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from training.utils import distributed
+from training.utils.atomic_dir import fsync_dir
 from training.utils.errors import CheckpointError, ConfigError
 from training.utils.trainer import Trainer
 
@@ -131,54 +137,60 @@ def save_checkpoint(
     (tmp / PROGRESS_FILE).write_text(json.dumps(progress, indent=1, default=str))
     _seal(tmp)
     tmp.rename(final)
-    _fsync_dir(root)  # the rename itself survives a power loss only once the parent directory is synced
+    fsync_dir(root)  # the rename itself survives a power loss only once the parent directory is synced
     _prune(root, step, keep)
     return final
 
 
-def load_checkpoint(path: str | Path, *, policy: Trainer, np_rng: np.random.Generator) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, *, policy: Trainer, np_rng: np.random.Generator, allow_unverified: bool = False,
+                    check_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Check `path` against its checksums, then restore weights, optimizer, scheduler and RNG states in
     place; return the saved `progress`.
 
-    Raises `CheckpointError` naming the file when one is missing, truncated or changed (nothing is
-    loaded then), and `ConfigError` when `path` is not a directory.
+    Raises `CheckpointError` naming the file when one is missing, truncated or changed, or the manifest is
+    missing without `allow_unverified` (nothing is loaded then), and `ConfigError` when `path` is not a
+    directory. `check_progress(progress)` may refuse the checkpoint before anything is loaded.
     """
     path = Path(path)
     try:
-        return _load_checked(path, policy, np_rng)
+        return _load_checked(path, policy, np_rng, allow_unverified, check_progress)
     except _Unloadable as exc:
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {exc.problem}. {_ADVICE}") from exc.__cause__
 
 
-def load_weights(path: str | Path, *, policy: Trainer) -> None:
+def load_weights(path: str | Path, *, policy: Trainer, allow_unverified: bool = False) -> None:
     """Warm start: check `path` against its checksums, then load only the policy's weights (with LoRA, its
     adapters); the optimizer, LR schedule, step counters and RNGs stay as they are (fresh), and the saved
     progress is not read. Collective under torchrun, like `load_checkpoint`.
 
-    Raises `CheckpointError` when a file is damaged or the checkpoint lacks some of the policy's weights
-    (another model, or another LoRA setting), `ConfigError` when `path` is not a directory.
+    Raises `CheckpointError` when a file is damaged (or the manifest missing, unless `allow_unverified`) or the
+    checkpoint lacks some of the policy's weights (another model, or another LoRA setting), `ConfigError` when
+    `path` is not a directory.
     """
     path = Path(path)
     try:
-        _load_checked(path, policy, None)
+        _load_checked(path, policy, None, allow_unverified)
     except _Unloadable as exc:
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {exc.problem}") from exc.__cause__
 
 
 def load_latest_verified(
     log_path: str | Path, explicit_path: str | Path | None = None, *, policy: Trainer, np_rng: np.random.Generator,
+    allow_unverified: bool = False, check_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[Path, dict[str, Any]] | None:
     """Resume: load `explicit_path` if given, else the newest checkpoint under `log_path` that passes its
     checks; return `(path, progress)`, or None when `log_path` has no checkpoint.
 
-    A damaged newest checkpoint is skipped with a warning naming the bad file, and the one before it
-    tried. A damaged `explicit_path` raises `CheckpointError` without falling back (that checkpoint
-    was asked for), as does finding no checkpoint that loads. Leftover `.tmp` directories of an
-    interrupted save are deleted first.
+    A damaged newest checkpoint (one without checksums included, unless `allow_unverified`) is skipped with a
+    warning naming the bad file, and the one before it tried. A damaged `explicit_path` raises
+    `CheckpointError` without falling back (that checkpoint was asked for), as does finding no checkpoint that
+    loads. What `check_progress` raises for the checkpoint chosen propagates: it is a refusal, not damage.
+    Leftover `.tmp` directories of an interrupted save are deleted first.
     """
     if explicit_path:
         path = Path(explicit_path)
-        return path, load_checkpoint(path, policy=policy, np_rng=np_rng)
+        return path, load_checkpoint(path, policy=policy, np_rng=np_rng, allow_unverified=allow_unverified,
+                                     check_progress=check_progress)
     root = checkpoint_root(log_path)
     if distributed.is_main():
         _remove_leftovers(root)
@@ -186,7 +198,7 @@ def load_latest_verified(
     problems = []
     for path in candidates:
         try:
-            return path, _load_checked(path, policy, np_rng)
+            return path, _load_checked(path, policy, np_rng, allow_unverified, check_progress)
         except _Unloadable as exc:
             problems.append(exc.problem)
             if distributed.is_main():
@@ -196,18 +208,21 @@ def load_latest_verified(
     return None
 
 
-def verify_checkpoint(path: str | Path) -> str | None:
+def verify_checkpoint(path: str | Path, *, allow_unverified: bool = False) -> str | None:
     """What makes the checkpoint at `path` unfit to load (naming the file), or None if it is fit.
 
-    With a manifest every listed file must exist with its recorded size and sha256; without one (a
-    checkpoint from before checksums) only the DCP metadata and `progress.json` must be present.
+    With a manifest every listed file must exist with its recorded size and sha256. A missing manifest is
+    what makes it unfit, unless `allow_unverified`: then only the DCP metadata and `progress.json` must be there.
     """
     path = Path(path)
     for required in (PROGRESS_FILE, _DCP_METADATA):
         if not (path / required).is_file():
             return f"{path / required} is missing"
     if not (path / MANIFEST_FILE).is_file():
-        return None
+        if allow_unverified:
+            return None
+        return (f"{path / MANIFEST_FILE} is missing, so nothing shows its files are the ones written (set "
+                "allow_unverified_checkpoint=True to load it unverified)")
     try:
         expected = _read_manifest(path / MANIFEST_FILE)
     except (OSError, ValueError) as exc:
@@ -219,18 +234,22 @@ def verify_checkpoint(path: str | Path) -> str | None:
     return None
 
 
-def _load_checked(path: Path, policy: Trainer, np_rng: np.random.Generator | None) -> dict[str, Any] | None:
-    """Verify (on rank 0, whose verdict every rank shares), then restore (without `np_rng`: the weights
-    only, returning None); raises `_Unloadable`."""
+def _load_checked(path: Path, policy: Trainer, np_rng: np.random.Generator | None, allow_unverified: bool,
+                  check_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any] | None:
+    """Verify (on rank 0, whose verdict every rank shares), let `check_progress` refuse it, then restore
+    (without `np_rng`: the weights only, returning None); raises `_Unloadable`."""
     if not path.is_dir():
         raise ConfigError(f"{path} is not a checkpoint directory")
     problem, verified = distributed.broadcast_object(
-        (verify_checkpoint(path), (path / MANIFEST_FILE).is_file()) if distributed.is_main() else None)
+        (verify_checkpoint(path, allow_unverified=allow_unverified), (path / MANIFEST_FILE).is_file())
+        if distributed.is_main() else None)
     if problem:
         raise _Unloadable(problem)
     if not verified and distributed.is_main():
-        log.warning("checkpoint %s has no %s (written before checkpoints carried checksums): loading it "
-                    "unverified", path, MANIFEST_FILE)
+        log.warning("checkpoint %s has no %s: loading it unverified, as allow_unverified_checkpoint asks", path,
+                    MANIFEST_FILE)
+    if check_progress is not None:
+        check_progress(_read_progress(path))
     try:
         return _restore(path, policy, np_rng) if np_rng is not None else _restore_weights(path, policy)
     except _READ_ERRORS as exc:
@@ -238,6 +257,15 @@ def _load_checked(path: Path, policy: Trainer, np_rng: np.random.Generator | Non
             raise  # the bytes are the ones written, so this is not damage: let it surface as it is
         raise _Unloadable(f"{path} could not be read, and without {MANIFEST_FILE} the damaged file is "
                           f"unknown: {exc!r}") from exc
+
+
+def _read_progress(path: Path) -> dict[str, Any]:
+    """`progress.json`, the readable copy of the checkpoint's progress; raises `_Unloadable` when it is not JSON
+    (only an unverified checkpoint can get here with damage)."""
+    try:
+        return json.loads((path / PROGRESS_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise _Unloadable(f"{path / PROGRESS_FILE} is unreadable ({exc})") from exc
 
 
 def _restore(path: Path, policy: Trainer, np_rng: np.random.Generator) -> dict[str, Any]:
@@ -378,7 +406,7 @@ def _seal(directory: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     for folder in sorted({directory, *(p.parent for p in files)}, reverse=True):
-        _fsync_dir(folder)
+        fsync_dir(folder)
 
 
 def _hash_and_sync(file: Path) -> dict[str, Any]:
@@ -414,12 +442,3 @@ def _file_problem(file: Path, size: int, digest: str) -> str | None:
     if _sha256(file) != digest:
         return f"{file} does not match its sha256 checksum (its bytes changed after it was written)"
     return None
-
-
-def _fsync_dir(directory: Path) -> None:
-    # New entries and renames in a directory are durable only once the directory itself is synced.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -108,7 +108,8 @@ class RLConfig(StrictModel):
     seed: int = 0
     """Seeds torch, the dataset shuffle and the minibatch permutation."""
     output_dir: str | None = None
-    """Export the final policy here as a Hugging Face directory (safetensors + tokenizer)."""
+    """Export the final policy here as a Hugging Face directory (safetensors + tokenizer), replaced as a whole: a
+    kill mid-export leaves the earlier export. An existing directory must be empty or an earlier export."""
 
     # -- loss --------------------------------------------------------------------------
     eps_clip: FiniteFloat = Field(0.2, gt=0)
@@ -145,8 +146,19 @@ class RLConfig(StrictModel):
     parameters); each key must be one the loss takes."""
     loss_agg_mode: LossAggMode = "token_mean"
     """How per-token losses become one number per optimizer minibatch."""
+    run_weighting: Literal["run", "segment"] = "run"
+    """What one sequence of the `seq_mean_*` aggregations is when a run has several segments (an agent that
+    compacted or ran sub-agents, a rollout returning a `RolloutRun` of several samples). `run`: the run, so a run
+    split into k segments weighs what it would as one: `seq_mean_token_mean` takes the mean over all its trained
+    tokens (each segment weighted by its share of them) and the sequences counted are runs. `segment`: each
+    segment is a sequence of its own, and a run weighs as many sequences as it has segments. `run` is the default
+    because the reward and the advantage belong to the run, and how many pieces a trace was cut into
+    (compactions, sub-agents, re-renders) is no merit of the policy's: weighting by segments would favour the runs
+    that compact most. `token_mean` and `sum` weigh every trained token alike, so there the two agree."""
     tis: TISConfig | None = None
-    """Train-inference mismatch correction (truncated importance sampling, IcePop); None disables it."""
+    """Train-inference mismatch correction (truncated importance sampling, IcePop); None disables it. Left unset in
+    `async_rl_loop` with `max_head_offpolicy_versions` >= 1 it is `TISConfig()` (token-level TIS, cap 2), which
+    corrects samples from older weights; write `tis=None` to turn that off."""
     overlong_penalty: OverlongConfig | None = None
     """DAPO's overlong reward shaping, added to each run's reward before the group advantages, which the trainer
     recomputes (`rollout/*` and `dynamic_filter_fn` see the raw rewards; `train/overlong_penalty_mean` is the mean
@@ -174,17 +186,32 @@ class RLConfig(StrictModel):
     """Times a row with too few surviving runs is re-run (all G draws) before it is rejected."""
     rollout_timeout_s: float = Field(600.0, gt=0)
     """Upper bound on one rollout_fn call; a call that exceeds it is a counted, recoverable drop."""
+    event_loop_stall_s: float = Field(300.0, gt=0)
+    """Longest the run's event loop may go without turning. Rollouts, the agent shim and every timeout share that
+    loop, so a call that blocks it (`time.sleep`, a synchronous HTTP request, long CPU work in a rollout or a
+    synchronous `evaluation_fn`) stalls them all; past this bound the run stops with `EventLoopBlockedError`
+    naming what blocked it (a rollout's row and draw) and its stack, and a stall past a tenth of it is a warning
+    naming the same."""
+    max_sequence_tokens: int | None = Field(None, ge=2)
+    """Most tokens one returned segment may hold; a longer one is a contract error naming its row, draw, segment
+    and length, raised before it reaches the trainer. The policy's context (`max_position_embeddings`) and the
+    deployment's context length bound it too, whichever is least; None leaves only those."""
 
     # -- data, checkpoints and resume ------------------------------------------------------------
     dataset_path: str | None = None
     """File of dataset rows, read when `main()` gets no `rows`: `.jsonl` (one object per line), `.json` (a JSON
-    array of objects, or one object per line) or `.parquet` (needs `pyarrow`)."""
+    array of objects, or one object per line) or `.parquet` (needs `pyarrow`). A malformed line is an error
+    naming the file and line."""
     dcp_save_interval: int = Field(0, ge=0)
     """Save a resumable checkpoint every this many batches (and after the last); 0 disables them."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept under `log_path/checkpoints`; older ones are deleted."""
     init_from_checkpoint: str | None = None
     """Resume from this checkpoint directory; None resumes from the newest one in `log_path`, if any."""
+    allow_unverified_checkpoint: bool = False
+    """Load a checkpoint that has no `checksums.json` (written before checkpoints carried checksums, or whose
+    manifest was deleted) unverified, with a warning. False: it counts as damaged; a resume falls back past it,
+    and `init_from_checkpoint` or `warm_start_from_checkpoint` naming it is an error."""
     warm_start_from_checkpoint: str | None = None
     """Start a new run from the policy weights of this checkpoint directory (one this library wrote, e.g.
     `<log_path>/checkpoints/step-00000010`; with LoRA it holds the adapters, so `trainer.lora_rank` and

@@ -78,12 +78,16 @@ class DeploymentConfig(StrictModel):
     steps and warns why (docs/engine-decode-loop.md: Start-up self-check). `eager` skips the check."""
     max_batch_requests: int = Field(64, gt=0)
     """Most sequences the engine decodes at once."""
-    prefix_cache_tokens: int = Field(8192, ge=0)
+    prefix_cache_tokens: int | None = Field(None, ge=0)
     """Tokens of keys/values the embedded engine keeps from recently prefilled prompts and finished sequences, so
     a prompt that starts with them (the G draws of one row, the next turn of a chat) prefills only the rest; least
-    recently used first out, emptied at every weight update; 0 turns it off. A token costs 2 x layers x KV heads x
-    head dim x dtype bytes: 46 KB for SmolLM2-135M in float32 (the default is then ~380 MB), 12 KB for
-    Qwen2.5-0.5B in bfloat16 (docs/engine-decode-loop.md: Prefix cache)."""
+    recently used first out, emptied at every weight update; 0 turns it off. None: four prompts of the context
+    served (4 x `max_context_tokens`). A prompt longer than the budget is never kept, and an agent's prompts are
+    long (a CLI agent's system prompt and tool schemas alone run to 7k-20k tokens), so the default scales with
+    the longest prompt the deployment can be sent, with room for a few rows and sessions at once. Only what is
+    cached takes memory: a token costs 2 x layers x KV heads x head dim x dtype bytes, 46 KB for SmolLM2-135M in
+    float32, 12 KB for Qwen2.5-0.5B in bfloat16; set a number to cap it (docs/engine-decode-loop.md: Prefix
+    cache)."""
     max_context_tokens: int | None = Field(None, gt=0)
     """Longest prompt + completion served; defaults to the model's `max_position_embeddings`."""
     weight_sync_timeout_s: FiniteFloat = Field(600.0, gt=0)
@@ -183,3 +187,28 @@ class AgentShimConfig(StrictModel):
     None derives it from the context: the most a prompt of `max_context_tokens` can take as JSON (each token the
     tokenizer's longest, each byte a six-byte `\\uXXXX` escape), but at least 32 MiB, the Anthropic API's own
     limit, so no body a real provider takes is refused. The shim's `/healthz` reports the limit in force."""
+    max_body_bytes_in_flight: int | None = Field(None, gt=0)
+    """Most request-body bytes the shim holds at once, across all requests: a request's share (its Content-Length,
+    or `max_body_bytes` when it announces none) is taken before its body is read and given back when it is
+    answered. A request that finds no room waits in arrival order, and gets a 503 if none comes within
+    `client_timeout_s`. None: 8 x `max_body_bytes`. Never below `max_body_bytes`."""
+    client_timeout_s: FiniteFloat = Field(60.0, gt=0)
+    """How long the shim waits on a client's connection: for a request's headers (on a new connection, or after
+    its previous request: idle keep-alive connections too), for a request's whole body (a 408 otherwise), and for
+    the client to take any of a reply it was sent. Past it the connection is closed. Well above the few seconds
+    for which HTTP clients keep idle connections of their own, so no client reuses one the shim closed."""
+    session_idle_timeout_s: FiniteFloat = Field(1800.0, gt=0)
+    """A session with no request in flight and none for this long expires: it is dropped, its agent gets a 401
+    "session expired", and `finish_session` raises `SessionExpiredError` (recoverable: the draw is dropped).
+    Counted in `setup.shim.stats["sessions_expired"]`."""
+    max_open_sessions: int = Field(1024, gt=0)
+    """Most sessions open at once (the shim's 429): `open_session` beyond it raises `SessionLimitError`
+    (recoverable: the draw is dropped) until sessions are finished, discarded or expire."""
+
+    @model_validator(mode="after")
+    def _room_for_one_body(self) -> AgentShimConfig:
+        if None not in (self.max_body_bytes, self.max_body_bytes_in_flight) and (
+                self.max_body_bytes_in_flight < self.max_body_bytes):
+            raise ValueError(f"agent_shim.max_body_bytes_in_flight={self.max_body_bytes_in_flight} is below "
+                             f"max_body_bytes={self.max_body_bytes}: a body of the largest size could never be read")
+        return self

@@ -63,6 +63,15 @@ class CheckpointError(TrainingError, RuntimeError):
     stops rather than resume from it; the message names the file."""
 
 
+class RunDirectoryInUseError(TrainingError, RuntimeError):
+    """Another process is running on this `log_path` (the message names it); one run per directory."""
+
+
+class EventLoopBlockedError(TrainingError, RuntimeError):
+    """The run's event loop did not turn within `event_loop_stall_s`: something on it blocked (the message names the
+    task, e.g. a rollout's row and draw, and its stack)."""
+
+
 def one_line(error: BaseException, limit: int = 300) -> str:
     """`Type: message` of an exception, its first line only (compiler errors run to pages)."""
     text = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__

@@ -2,7 +2,8 @@
 
 A file written by a process that was killed can end in a torn line; only the ledger, which a run
 appends to while it trains, reads past one (`skip_torn_lines`). A torn or invalid line in a dataset
-is an error naming the file and line, since a silently shorter dataset trains on other rows.
+(not UTF-8, not JSON, or with `objects_only` not a JSON object) is an error naming the file and line,
+since a silently shorter dataset trains on other rows.
 """
 
 from __future__ import annotations
@@ -16,23 +17,52 @@ from typing import Any
 from training.utils.errors import ConfigError
 
 log = logging.getLogger("training")
+_BLANK = object()
+"""What `_parse_line` returns for a blank line."""
 
 
-def read_jsonl(path: str | os.PathLike, *, skip_torn_lines: bool = False) -> list[Any]:
-    """One JSON value per non-blank line. An invalid line raises a `ConfigError` naming the file and line,
-    or, with `skip_torn_lines`, is skipped with a warning."""
+def read_jsonl(path: str | os.PathLike, *, skip_torn_lines: bool = False, objects_only: bool = False) -> list[Any]:
+    """One JSON value per non-blank line (with `objects_only`, a JSON object: a dataset row). An invalid line
+    raises a `ConfigError` naming the file and line, or, with `skip_torn_lines`, is skipped with a warning."""
     records = []
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:  # bytes, decoded line by line, so that text that is not UTF-8 has a line number
+        for number, raw in enumerate(f, start=1):
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as error:
+                record = _parse_line(raw, objects_only)
+            except ValueError as error:
                 if not skip_torn_lines:
-                    raise ConfigError(f"{path} line {number} is not one JSON value: {error.msg}") from error
-                log.warning("skipping a torn line in %s: %.80s", path, line)
+                    raise ConfigError(f"{path} line {number} {error}") from error
+                log.warning("skipping a torn line in %s: %.80r", path, raw)
+                continue
+            if record is not _BLANK:
+                records.append(record)
     return records
+
+
+def _parse_line(raw: bytes, objects_only: bool) -> Any:
+    """The line's value, or `_BLANK`; raises ValueError saying what is wrong with it."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"is not UTF-8 text (byte {error.start + 1} of the line is {raw[error.start]:#04x})") from None
+    if not line.strip():
+        return _BLANK
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"is not one JSON value: {error.msg} (column {error.colno})") from None
+    except RecursionError:
+        raise ValueError("nests arrays or objects deeper than the JSON parser goes") from None
+    if objects_only and not isinstance(record, dict):
+        raise ValueError(f"holds {json_kind(record)}, not an object; each line must be one row object")
+    return record
+
+
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words: "an array", "a string", "null", ..."""
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+             type(None): "null", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def write_jsonl(path: str | os.PathLike, rows: list[Any]) -> None:

@@ -11,6 +11,7 @@ HTTP server (`server.py`) inside the training process (docs/deployments.md).
 from __future__ import annotations
 
 import asyncio
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,15 +69,17 @@ async def start_embedded_deployment(
     for this deployment when it is None; the returned handle's `api_key` is the one in force.
     """
     engine = Engine(model, tokenizer, cfg, default_timeout_s=sampling_timeout_s)
-    server = InferenceServer(engine, cfg, model_name)
+    weight_dir, own_dir = weight_dir_for(cfg.weight_sync, weight_dir if weight_dir is not None else cfg.weight_dir)
+    server = InferenceServer(engine, cfg, model_name, weight_dir=weight_dir)  # loads weights from there only
     try:
         base_url = await server.start()
     except BaseException:
         await asyncio.to_thread(engine.close)
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
         raise
     # Every client of ours carries the server's secret (docs/deployments.md).
     sampler = Sampler(base_url, model_name, api_key=server.api_key, timeout_s=sampling_timeout_s, tokenizer=tokenizer)
-    weight_dir, own_dir = weight_dir_for(cfg.weight_sync, weight_dir if weight_dir is not None else cfg.weight_dir)
     weight_sync = make_weight_sync(
         cfg.weight_sync,
         engine=engine,

@@ -29,7 +29,7 @@ from training.utils.deploy.decode import KVBatch, usable_prefix_lengths
 from training.utils.deploy.engine_weights import WeightTargets, read_safetensors
 from training.utils.deploy.graphs import decode_steps_for
 from training.utils.deploy.next_token import SamplingParams_B, sample_next
-from training.utils.deploy.prefix_cache import PrefixCache
+from training.utils.deploy.prefix_cache import PrefixCache, prefix_cache_budget
 from training.utils.deploy.sequences import SequenceGroup, SequenceState, make_group, sampling_params
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 
@@ -92,7 +92,8 @@ class Engine:
         self._rows: list[SequenceState] = []
         self._params_B: SamplingParams_B | None = None
         self._split_cost_tokens = PREFILL_SPLIT_COST_TOKENS if self.model.device.type == "cpu" else None
-        self._prefix_cache = PrefixCache(cfg.prefix_cache_tokens) if cfg.prefix_cache_tokens else None
+        budget = prefix_cache_budget(cfg.prefix_cache_tokens, self.max_context_tokens)
+        self._prefix_cache = PrefixCache(budget) if budget else None
         # Cumulative; prompt_tokens = prefill_tokens + prefix_cache_hit_tokens (a request's prompt counts once).
         self.stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0, "weight_updates": 0,
                       "prompt_tokens": 0, "prefill_tokens": 0, "prefix_cache_hit_tokens": 0,
@@ -155,7 +156,8 @@ class Engine:
         self._submit(group)
         timeout = self.default_timeout_s if timeout is None else float(timeout)
         try:
-            return await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: on Python 3.11 it can lose a cancel (gh-86296)
+                return await fut
         except TimeoutError:
             self._cancel(group)
             raise RecoverableDeploymentError(
@@ -200,12 +202,13 @@ class Engine:
         if job.error is not None:
             raise DeploymentError(f"weight update to version {version} failed: {job.error!r}") from job.error
 
-    def load_weights_from_disk(self, path: str | Path, version: int | None = None) -> int:
-        """Read safetensors weights (a file, `model.safetensors`, or a sharded index) and apply them.
+    def load_weights_from_disk(self, path: str | Path, version: int | None = None, *, root: Path) -> int:
+        """Read safetensors weights (a file, `model.safetensors`, or a sharded index) from inside `root` and apply
+        them; a ValueError, with nothing applied, for a path outside `root` or a non-finite tensor.
 
         `version` defaults to the current version + 1. Returns the version applied.
         """
-        tensors = read_safetensors(path, device=self.model.device)
+        tensors = read_safetensors(path, device=self.model.device, root=root)
         version = self._version + 1 if version is None else version
         self.update_weights(tensors, version)
         return version

@@ -1,5 +1,6 @@
 """Where a weight update lands in the engine's model: each given name and shape checked against the model's
-`state_dict` and paired with its tensor (tied weights once), and the safetensors a disk sync reads."""
+`state_dict` and paired with its tensor (tied weights once), and the safetensors a disk sync reads: only from inside
+the deployment's weight directory, and only finite tensors."""
 
 from __future__ import annotations
 
@@ -55,23 +56,53 @@ class WeightTargets:
         return dst, used
 
 
-def read_safetensors(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors file, or of a directory (model.safetensors, a sharded index, or *.safetensors)."""
+def read_safetensors(path: str | Path, device="cpu", *, root: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file, or of a directory (model.safetensors, a sharded index, or *.safetensors),
+    every file read from inside `root` (symlinks resolved) and every tensor finite; a `ValueError` otherwise
+    (`FileNotFoundError` when there are no weights), raised before anything is returned, so a refused update
+    loads nothing."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _weight_files(_inside(Path(path), root), root):
+        try:
+            tensors.update(load_file(str(f), device=str(device)))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{name} holds non-finite values (NaN or Inf); nothing was loaded")
+    return tensors
+
+
+def _inside(path: Path, root: Path) -> Path:
+    """`path` (relative ones under `root`) with its symlinks resolved; a ValueError unless it lies inside `root`."""
+    resolved = (root / path).resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise ValueError(f"{path} is outside the deployment's weight directory {root}: weights are read only there")
+    return resolved
+
+
+def _weight_files(path: Path, root: Path) -> list[Path]:
     if path.is_file():
         files = [path]
     elif (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
     elif (path / "model.safetensors.index.json").is_file():
-        weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        files = [path / name for name in sorted(set(_weight_map(path / "model.safetensors.index.json").values()))]
     else:
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
         raise FileNotFoundError(f"no safetensors weights at {path} (expected a file or a directory holding them)")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f), device=str(device)))
-    return tensors
+    return [_inside(f, root) for f in files]
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {e!r}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+        raise ValueError(f"{index}: weight_map must map tensor names to file names")
+    return weight_map

@@ -26,6 +26,19 @@ import torch
 BLOCK_TOKENS = 16
 """Tokens per hashed block: entries shorter than this are not kept."""
 
+CONTEXTS_KEPT = 4
+"""Full-context prompts the default cache holds (`deployment.prefix_cache_tokens=None`). An entry is never shared
+with another (a row's G finished draws are G entries, each its whole prompt), and a prompt longer than the budget
+is never kept, so a budget below one context would serve nothing to an agent whose prompts approach it; with room
+for a few, a row's later draws and each session's next turn find their prefix even while other rows' prompts
+come and go. Memory is spent only on what is cached: a step of short prompts fills little of it."""
+
+
+def prefix_cache_budget(configured: int | None, context_tokens: int) -> int:
+    """Tokens the engine's prefix cache may hold: `configured` when set (0 turns the cache off), else
+    `CONTEXTS_KEPT` prompts of the context served."""
+    return CONTEXTS_KEPT * int(context_tokens) if configured is None else int(configured)
+
 
 @dataclass(eq=False)
 class _Entry:

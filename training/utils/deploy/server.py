@@ -11,7 +11,9 @@ Endpoints:
 - `POST /update_weights_from_disk`: SGLang's request (`model_path`, optional `load_format`,
   `weight_version`) and response (`{"success", "message", "num_paused_requests"}`), plus our
   optional integer `version` the engine takes on (default: current + 1; SGLang's string
-  `weight_version` is used when it holds an integer).
+  `weight_version` is used when it holds an integer). It reads only inside the deployment's
+  weight directory (symlinks resolved) and only finite tensors: anything else is a 400 that
+  loads nothing.
 
 Validation: unknown field names are ignored (clients send vendor extras); a known field with
 the wrong type or value is a 400 `invalid_request_error` naming it in `param`. Fields we know
@@ -20,7 +22,8 @@ but cannot honour (`stream`, `echo`, penalties, `logit_bias`, `suffix`, `best_of
 ignored: they would change what is sampled. A request that passes its timeout is a 408.
 Every endpoint but `GET /health` requires `Authorization: Bearer <secret>`: `cfg.api_key`, or else a
 secret generated per server (`InferenceServer.api_key`), so that no other local process (an agent's
-shell among them) can sample from the policy or load weights into it.
+shell among them) can sample from the policy or load weights into it. Connections and bodies are
+under `connections.ClientDeadlines` (`CLIENT_TIMEOUT_S`): a body that has not arrived in time is a 408.
 """
 
 from __future__ import annotations
@@ -32,16 +35,21 @@ import logging
 import secrets
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from training.utils.config import DeploymentConfig
 from training.utils.deploy.completion import Completion, InvalidRequestError
+from training.utils.deploy.connections import CLIENT_TIMEOUT_S, BodyTooLargeError, ClientDeadlines, read_body
 from training.utils.deploy.engine import Engine
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 
 logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 2**20
+"""The largest request body served (a 413 beyond it): a prompt of token ids, or a weight-update request."""
 
 _INT = "an integer"
 _NUMBER = "a number"
@@ -156,28 +164,43 @@ def _parse_prompt(prompt: Any, tokenizer) -> list[int]:
     )
 
 
+class _UnreadBody(Exception):
+    """A request body refused before it was parsed: too large (413), or not all arrived in time (408)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
     error = {"message": message, "type": kind, "param": param, "code": status}
     return web.json_response({"error": error}, status=status)
 
 
 class InferenceServer:
-    """Serves one `Engine` over HTTP on `cfg.host:cfg.port` (port 0 picks a free one)."""
+    """Serves one `Engine` over HTTP on `cfg.host:cfg.port` (port 0 picks a free one).
 
-    def __init__(self, engine: Engine, cfg: DeploymentConfig, model_name: str):
+    `weight_dir` is the only directory `/update_weights_from_disk` reads from (a disk sync's); None refuses
+    every update from disk.
+    """
+
+    def __init__(self, engine: Engine, cfg: DeploymentConfig, model_name: str, *, weight_dir: str | Path | None = None):
         self.engine = engine
         self.cfg = cfg
         self.model_name = model_name
+        self.weight_dir = Path(weight_dir) if weight_dir is not None else None
         self.api_key = cfg.api_key or secrets.token_urlsafe(32)
         """The bearer token every endpoint but `/health` requires; never put in `os.environ`."""
         self._expected_auth = f"Bearer {self.api_key}".encode()
         self.base_url: str | None = None
         self._runner: web.AppRunner | None = None
+        self._deadlines = ClientDeadlines(CLIENT_TIMEOUT_S)
         self._weights_lock = asyncio.Lock()
         self._created = int(time.time())
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=64 * 2**20)
+        app = web.Application(middlewares=[self._deadlines.middleware, self._middleware],
+                              client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
@@ -190,14 +213,11 @@ class InferenceServer:
         # In-flight handlers get 5 s to answer at close, then are cancelled.
         self._runner = web.AppRunner(self.make_app(), access_log=None, shutdown_timeout=5.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
-        self.base_url = f"http://{host}:{port}"
+        self.base_url = await self._deadlines.serve(self._runner, self.cfg.host, self.cfg.port)
         return self.base_url
 
     async def close(self) -> None:
+        self._deadlines.stop_listening()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -211,6 +231,8 @@ class InferenceServer:
             return _error(401, message, kind="authentication_error")
         try:
             return await handler(request)
+        except _UnreadBody as e:
+            return _error(e.status, str(e))
         except web.HTTPException as e:  # unknown route or method: keep the JSON error shape
             return _error(e.status, f"{request.method} {request.path}: {e.reason}", kind="not_found_error")
         except Exception as e:  # noqa: BLE001 - a bug answers 500 and the server keeps serving
@@ -228,7 +250,13 @@ class InferenceServer:
     @staticmethod
     async def _json(request: web.Request) -> Any:
         try:
-            return json.loads(await request.read())
+            raw = await read_body(request, MAX_BODY_BYTES, CLIENT_TIMEOUT_S)
+        except BodyTooLargeError as e:
+            raise _UnreadBody(f"{e}, over the limit of {MAX_BODY_BYTES} bytes", 413) from None
+        except TimeoutError:
+            raise _UnreadBody(f"the request body did not arrive within {CLIENT_TIMEOUT_S:g}s", 408) from None
+        try:
+            return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidRequestError(f"the request body is not valid JSON: {e}", None) from None
 
@@ -315,6 +343,8 @@ class InferenceServer:
             body = await self._json(request)
         except InvalidRequestError as e:
             return failed(400, str(e))
+        except _UnreadBody as e:
+            return failed(e.status, str(e))
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
             return failed(400, "model_path (a non-empty string) is required")
         if body.get("load_format") not in (None, "auto", "safetensors"):
@@ -324,16 +354,22 @@ class InferenceServer:
             version = int(body["weight_version"])
         if version is not None and not _type_ok(version, _INT):
             return failed(400, f"version must be an integer, got {json.dumps(version)[:80]}")
+        if self.weight_dir is None:
+            return failed(400, "this deployment has no weight directory to load from (deployment.weight_sync='disk' "
+                               "or deployment.weight_dir gives it one)")
         paused = self.engine.num_running if self.cfg.inflight_on_sync == "continue_new" else 0
+        timeout = self.cfg.weight_sync_timeout_s + 30
         async with self._weights_lock:
             try:
-                applied = await asyncio.wait_for(
-                    asyncio.to_thread(self.engine.load_weights_from_disk, body["model_path"], version),
-                    self.cfg.weight_sync_timeout_s + 30,
-                )
+                # Not wait_for: on Python 3.11 it can lose a cancel that arrives as the load ends (gh-86296).
+                async with asyncio.timeout(timeout):
+                    applied = await asyncio.to_thread(
+                        self.engine.load_weights_from_disk, body["model_path"], version, root=self.weight_dir)
             except (FileNotFoundError, ValueError) as e:
                 return failed(400, str(e))
-            except (DeploymentError, TimeoutError) as e:
+            except TimeoutError:
+                return failed(500, f"weight update failed: not applied within {timeout:g}s")
+            except DeploymentError as e:
                 return failed(500, f"weight update failed: {e}")
         return web.json_response(
             {

@@ -30,6 +30,11 @@ from dataclasses import dataclass
 from training.utils.errors import ConfigError
 
 STD_EPS = 1e-8
+MAX_ABS_REWARD = 1e15
+"""The largest |reward| a rollout may return (`rollout.types.validate_run` refuses larger ones, naming the row and
+draw). Below it the advantage arithmetic stays finite: a group's squared deviations in float64 (from about 1e154 they
+overflow), and the advantage itself, at most 2·G/(G−1)·1e15 (reward shaping adds little), stays 1e23 times
+below float32's largest value, the room the loss has to multiply it by token ratios and sum it over tokens."""
 
 
 def _mean(xs: list[float]) -> float:

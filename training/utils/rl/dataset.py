@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +19,13 @@ from typing import Any
 import numpy as np
 
 from training.utils.errors import ConfigError
-from training.utils.jsonl import read_jsonl, write_jsonl
+from training.utils.jsonl import json_kind, read_jsonl, write_jsonl
+
+log = logging.getLogger("training")
 
 ROW_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+DUPLICATE_IDS_SHOWN = 10
+"""Duplicate row ids the start-up warning names; it counts the rest."""
 
 
 def read_rows_file(path: str | Path) -> list[dict[str, Any]]:
@@ -32,13 +38,38 @@ def read_rows_file(path: str | Path) -> list[dict[str, Any]]:
                           f"{', '.join(ROW_FILE_SUFFIXES)}")
     if suffix == ".parquet":
         return _read_parquet(path)
-    text = path.read_text()
-    if suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"dataset file {path} does not hold a JSON array of objects: {error.msg}") from error
-    return read_jsonl(path)
+    if suffix == ".json" and _holds_an_array(path):
+        return _read_json_array(path)
+    return read_jsonl(path, objects_only=True)
+
+
+def _holds_an_array(path: Path) -> bool:
+    """Whether the file's first character past any whitespace is `[`."""
+    with path.open("rb") as f:
+        while chunk := f.read(4096):
+            if start := chunk.lstrip():
+                return start.startswith(b"[")
+    return False
+
+
+def _read_json_array(path: Path) -> list[dict[str, Any]]:
+    """Rows of a `.json` file holding one array of objects; an error names the line (and element) that is wrong."""
+    data = path.read_bytes()
+    try:
+        rows = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ConfigError(f"dataset file {path} line {line} is not UTF-8 text") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"dataset file {path} line {error.lineno} column {error.colno} is not JSON: "
+                          f"{error.msg}") from None
+    except RecursionError:
+        raise ConfigError(f"dataset file {path} nests arrays or objects deeper than the JSON parser goes") from None
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(f"dataset file {path}: element {index} of its array is {json_kind(row)}; every row "
+                              "must be a JSON object")
+    return rows
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
@@ -61,7 +92,22 @@ def as_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         to_list = getattr(rows, "to_list", None)
         rows = to_list() if callable(to_list) else list(rows)
     check_rows(rows)
+    warn_duplicate_ids(rows)
     return rows
+
+
+def warn_duplicate_ids(rows: list[dict[str, Any]]) -> None:
+    """Warn, naming them, when rows share an id (`row_id_of`: the `id` field, else the row's place). Each still
+    trains as its own row, but the ledger's `batch/row_ids` and the errors that name a row cannot tell them
+    apart; most often the dataset was concatenated twice, or the ids were meant to be unique."""
+    counts = Counter(row_id_of(row, index) for index, row in enumerate(rows))
+    duplicates = [(row_id, n) for row_id, n in counts.items() if n > 1]
+    if not duplicates:
+        return
+    shown = ", ".join(f"{row_id!r} ({n} rows)" for row_id, n in duplicates[:DUPLICATE_IDS_SHOWN])
+    more = f" and {len(duplicates) - DUPLICATE_IDS_SHOWN} more" if len(duplicates) > DUPLICATE_IDS_SHOWN else ""
+    log.warning("%d row ids are shared by several rows: %s%s. Each row still trains on its own, but the ledger "
+                "(batch/row_ids) cannot tell them apart; give every row a unique `id`", len(duplicates), shown, more)
 
 
 def check_rows(rows: list[Any]) -> None:

@@ -84,6 +84,8 @@ def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], coun
             np.mean([sum(sum(seg.loss_mask) for seg in r.segments) for r in runs])
         )
         metrics["rollout/truncated_frac"] = float(np.mean([r.segments[-1].finish_reason == "length" for r in runs]))
+        metrics["rollout/segments_per_run_mean"] = float(np.mean([len(r.segments) for r in runs]))
+        metrics["rollout/segments_per_run_max"] = float(max(len(r.segments) for r in runs))
     multi = [s for s in settled_P if len(s.runs_G) >= 2]
     if multi:
         metrics["rollout/frac_reward_zero_std"] = float(

@@ -35,9 +35,10 @@ class RunHealth:
                             "trainer.learning_rate or ppo_epochs",
         "sampler_trainer_gap": "sampler and trainer logprobs disagree on the same weights (mean |π_old − μ| > 0.1 "
                                "nats): keep sampling.top_p=1 and top_k=0, match the engine's dtype to the "
-                               "trainer's, and set tis",
+                               "trainer's, and correct what remains with tis",
         "offpolicy_gap": "samples are far off-policy (mean |π_old − μ| > 0.3 nats, the policy moved a lot since "
-                         "they were drawn): lower max_head_offpolicy_versions or trainer.learning_rate, or set tis",
+                         "they were drawn): lower max_head_offpolicy_versions or trainer.learning_rate, and keep tis "
+                         "on (the async recipe's default when max_head_offpolicy_versions >= 1)",
         "length_capped": "most responses stop at the length cap: raise sampling.max_tokens or penalise overlong "
                          "responses in the reward",
         "reward_flat": "the reward has not moved over the last 10 steps: check the reward function and "

@@ -356,7 +356,11 @@ class LossBatch:
     num_tokens: float | Tensor | None = None
     """`token_mean`'s normaliser: the minibatch's trained tokens under gradient accumulation; None counts `mask`."""
     num_seqs: float | Tensor | None = None
-    """The `seq_mean_*` normaliser: the minibatch's sequences under gradient accumulation; None means B."""
+    """The `seq_mean_*` normaliser: the minibatch's sequences under gradient accumulation; None means B (or the
+    sum of `seq_share`)."""
+    seq_share: Tensor | None = None
+    """`(B,)`: each row's share of the sequence it belongs to in the `seq_mean_*` aggregations (a segment's
+    share of its run's trained tokens, `run_weighting="run"`); None: each row is a sequence of its own."""
 
 
 def _sanitise(x: Tensor, mask: Tensor) -> Tensor:
@@ -404,7 +408,8 @@ def compute_policy_loss(spec: LossSpec, batch: LossBatch) -> tuple[Tensor, dict[
     mask = batch.mask.bool()
 
     def agg(x: Tensor) -> Tensor:  # every term is aggregated alike, with the same normaliser
-        return spec.aggregation.reduce(x, mask, batch.num_tokens, batch.num_seqs, spec.seq_token_sum_norm)
+        return spec.aggregation.reduce(x, mask, batch.num_tokens, batch.num_seqs, spec.seq_token_sum_norm,
+                                       batch.seq_share)
 
     pi = _sanitise(batch.logprobs, mask)
     pi_old = _sanitise(batch.old_logprobs.detach(), mask)

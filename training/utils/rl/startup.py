@@ -21,7 +21,8 @@ from training.utils.lora import load_adapter
 from training.utils.model import default_device, load_model_and_tokenizer
 from training.utils.rl.agent import AgentShim
 from training.utils.rl.dataset import as_rows, read_rows_file
-from training.utils.rl.rollout.types import RolloutSetup
+from training.utils.rl.resume import check_resumable, model_identity
+from training.utils.rl.rollout.types import RolloutSetup, SequenceLimit, sequence_limit
 from training.utils.trainer import Reference, Trainer, weight_dtype
 
 log = logging.getLogger("training")
@@ -37,9 +38,10 @@ def read_rows(cfg: RLConfig, rows: Iterable[dict[str, Any]] | None) -> list[dict
     return as_rows(read_rows_file(cfg.dataset_path))
 
 
-def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference | None, Any]:
+def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference | None, Any, dict[str, str]]:
     """The policy trainer and, when kl_beta > 0, the reference: a frozen copy of the initial policy,
-    or with LoRA the policy's own module with its adapters disabled (the base model, no copy).
+    or with LoRA the policy's own module with its adapters disabled (the base model, no copy); the tokenizer;
+    and the loaded model's identity (`resume.model_identity`), which checkpoints record.
 
     `total_steps` is the run's planned batches; warns when `trainer.warmup_steps` outlasts its optimizer steps."""
     trainer_cfg = cfg.trainer
@@ -49,6 +51,7 @@ def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference 
                     "ppo_epochs x ppo_minibatches): the learning rate never reaches trainer.learning_rate",
                     trainer_cfg.warmup_steps, optimizer_steps, total_steps)
     model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weight_dtype(cfg.trainer, default_device()))
+    identity = model_identity(cfg.model, model)  # before LoRA wraps and FSDP shards it
     if trainer_cfg.total_steps is None:
         trainer_cfg = trainer_cfg.model_copy(update={"total_steps": optimizer_steps})
     lora = trainer_cfg.lora_rank > 0
@@ -58,13 +61,22 @@ def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference 
     policy = Trainer(model, trainer_cfg)
     if cfg.kl_beta > 0 and lora:
         reference = policy.adapter_disabled_reference()
-    return policy, reference, tokenizer
+    return policy, reference, tokenizer, identity
 
 
 async def deploy_policy(cfg: RLConfig, worker, policy: Trainer, tokenizer) -> Deployment:
     """`cfg.deployment` started on (a copy of) the policy's weights, exported on the trainer's `worker`."""
     return await start_deployment(await worker.run(policy.model_for_inference), tokenizer, cfg.deployment,
                                   model_name=cfg.model, sampling_timeout_s=cfg.sampling.timeout_s)
+
+
+def trainable_sequence_limit(cfg: RLConfig, policy: Trainer, deployment: Deployment) -> SequenceLimit | None:
+    """The longest segment a rollout may return (`rollout.types.sequence_limit`): `max_sequence_tokens`, the
+    policy's positions and the deployment's context, whichever is least."""
+    text_config = policy.model.config.get_text_config()
+    return sequence_limit(configured=cfg.max_sequence_tokens,
+                          model_positions=getattr(text_config, "max_position_embeddings", None),
+                          deployment_context=deployment.context_tokens)
 
 
 def rollout_sample_kwargs(cfg: RLConfig) -> dict[str, Any]:
@@ -104,10 +116,14 @@ def make_rollout_setup(cfg: RLConfig, tokenizer, deployment: Deployment, extras,
     )
 
 
-def restore(cfg: RLConfig, policy: Trainer, rng: np.random.Generator) -> dict[str, Any]:
+def restore(cfg: RLConfig, policy: Trainer, rng: np.random.Generator, settings: dict[str, Any]) -> dict[str, Any]:
     """Load `init_from_checkpoint`, else the newest checkpoint in `log_path` that passes its checksums (falling
-    back past damaged ones); returns its progress ({} if none). Collective under torchrun."""
-    found = load_latest_verified(cfg.log_path, cfg.init_from_checkpoint, policy=policy, np_rng=rng)
+    back past damaged ones); returns its progress ({} if none). A checkpoint written under other `settings`
+    (`resume.run_settings`: the data, the model) is refused before anything of it is loaded. Collective under
+    torchrun."""
+    found = load_latest_verified(cfg.log_path, cfg.init_from_checkpoint, policy=policy, np_rng=rng,
+                                 allow_unverified=cfg.allow_unverified_checkpoint,
+                                 check_progress=lambda progress: check_resumable(progress, settings))
     if found is None:
         return {}
     path, progress = found
@@ -126,7 +142,7 @@ def warm_start(cfg: RLConfig, policy: Trainer, progress: dict[str, Any]) -> None
         log.info("resumed at step %d; the warm start from %s applies only to a fresh run", progress.get("step", 0),
                  source)
     elif cfg.warm_start_from_checkpoint is not None:
-        load_weights(source, policy=policy)
+        load_weights(source, policy=policy, allow_unverified=cfg.allow_unverified_checkpoint)
         log.info("warm start: the policy's weights from checkpoint %s; fresh optimizer, step 0", source)
     else:
         load_adapter(policy.model, source, rank=cfg.trainer.lora_rank, alpha=cfg.trainer.lora_alpha)

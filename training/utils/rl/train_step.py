@@ -33,6 +33,9 @@ from training.utils.rl.losses import KL_ESTIMATORS, LOSS_AGG_MODES, LossBatch, L
 from training.utils.rl.rollout.types import PromptGroup, pack_run
 from training.utils.trainer import Datum, MicroBatch, Reference, Trainer
 
+SEQ_SHARE = "seq_share"
+"""The per-datum extra holding each segment's share of its run (`run_weighting="run"`), on every position."""
+
 GAP = "rollout/sampler_trainer_logprob_diff"
 """Mean |π_old − μ| over trained tokens: how far the sampler's logprobs are from the trainer's."""
 
@@ -67,10 +70,11 @@ def entropy_in_training_pass(cfg: RLConfig, extras: dict[str, list[torch.Tensor]
     return cfg.entropy_coef > 0 or "entropy" not in extras
 
 
-def make_loss_fn(cfg: RLConfig, kl_beta: float, *, normalised: bool = True):
+def make_loss_fn(cfg: RLConfig, kl_beta: float, *, normalised: bool = True, num_seqs: float | None = None):
     """A `Trainer.forward_backward` loss over one micro-batch with KL coefficient `kl_beta`: normalised by the
-    whole minibatch, or (`normalised=False`) with normalisers of 1, a token or sequence sum, so that chunks
-    add up."""
+    whole minibatch (its trained tokens, and `num_seqs` sequences: by default its datums), or (`normalised=False`)
+    with normalisers of 1, a token or sequence sum, so that chunks add up. A `SEQ_SHARE` extra weighs each datum
+    as its share of a sequence (`loss_aggregation`)."""
     spec = LossSpec(
         name=cfg.policy_loss, settings=cfg.policy_loss_settings(), loss_agg_mode=cfg.loss_agg_mode,
         # Dr. GRPO's constant normaliser: the longest response the sampler may produce.
@@ -85,11 +89,13 @@ def make_loss_fn(cfg: RLConfig, kl_beta: float, *, normalised: bool = True):
         old_logprobs = mb.extras.get("old_logprobs")
         if old_logprobs is None:
             old_logprobs = logprobs.detach()
+        seq_share = mb.extras.get(SEQ_SHARE)
+        sequences = (mb.num_seqs_total if num_seqs is None else num_seqs) if normalised else 1
         loss, metrics = compute_policy_loss(spec, LossBatch(
             logprobs=logprobs, old_logprobs=old_logprobs, advantages=mb.advantages, mask=mb.weights,
             rollout_logprobs=mb.behaviour_logprobs, ref_logprobs=mb.extras.get("ref_logprobs"),
             entropy=mb.extras.get("entropy"), num_tokens=mb.num_tokens_total if normalised else 1.0,
-            num_seqs=mb.num_seqs_total if normalised else 1,
+            num_seqs=sequences, seq_share=None if seq_share is None else seq_share[:, 0],  # a datum's first position
         ))
         # On a batch's first optimizer step π is the pre-update policy, so this is |π_old − μ|.
         trained = mb.weights > 0
@@ -205,7 +211,6 @@ def ppo_update(
     """`ppo_epochs` passes × `ppo_minibatches` optimizer steps; metrics reduced over the steps, the passes' wall
     times added to `times`."""
     times = times if times is not None else defaultdict(float)
-    loss_fn = make_loss_fn(cfg, kl_beta)
     n_minibatches = min(cfg.ppo_minibatches, len(datums_D))
     per_step: list[tuple[dict[str, float], float]] = []
     for _ in range(cfg.ppo_epochs):
@@ -213,6 +218,7 @@ def ppo_update(
         for indices in np.array_split(order, n_minibatches):
             minibatch = [datums_D[i] for i in indices]
             minibatch_extras = {k: [v[i] for i in indices] for k, v in extras.items()}
+            loss_fn = make_loss_fn(cfg, kl_beta, num_seqs=sequence_count(minibatch_extras, len(minibatch)))
             metrics = timed(
                 times, "fwd_bwd", policy.forward_backward, minibatch, loss_fn, temperature=cfg.sampling.temperature,
                 extras=minibatch_extras, with_entropy=entropy_in_training_pass(cfg, extras),
@@ -286,6 +292,32 @@ def chunk_advantages(groups: list[PromptGroup], datums_D: list[Datum], run_of_D:
     return shaping
 
 
+def seq_shares(datums_D: list[Datum], run_of_D: list[tuple[int, int]], run_weighting: str) -> list[float]:
+    """Each datum's share of the sequence it is in the `seq_mean_*` aggregations: with `run_weighting="run"` its
+    trained tokens over its run's, so a run's shares add up to 1 however many segments it has; else 1 each."""
+    if run_weighting == "segment":
+        return [1.0] * len(datums_D)
+    run_tokens: dict[tuple[int, int], float] = defaultdict(float)
+    for datum, run in zip(datums_D, run_of_D, strict=True):
+        run_tokens[run] += sum(datum.weights)
+    return [sum(datum.weights) / run_tokens[run] for datum, run in zip(datums_D, run_of_D)]
+
+
+def share_extras(datums_D: list[Datum], shares_D: list[float]) -> dict[str, list[torch.Tensor]]:
+    """`{SEQ_SHARE: ...}`, each datum's share on every position, when a share is not 1 (else nothing: a batch of
+    one-segment runs trains exactly as without shares)."""
+    if all(share == 1.0 for share in shares_D):
+        return {}
+    return {SEQ_SHARE: [torch.full((len(d),), share) for d, share in zip(datums_D, shares_D)]}
+
+
+def sequence_count(extras: dict[str, list], datums: int) -> float:
+    """The sequences of `datums` datums whose extras are `extras`: their shares' sum, or (no shares) `datums`."""
+    if SEQ_SHARE not in extras:
+        return float(datums)
+    return float(sum(float(share[0]) for share in extras[SEQ_SHARE]))
+
+
 def pack_groups(groups: list[PromptGroup]) -> tuple[list[Datum], list[tuple[int, int]]]:
     """The groups' datums (one per segment; group, run and segment order) and the (group, run) of each. Their
     advantages are set by `chunk_advantages` once the rewards are shaped."""
@@ -314,6 +346,8 @@ class BatchUpdate:
     datums_D: list[Datum] = field(default_factory=list)
     extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """Per-datum old-policy / reference logprobs and entropies, in `datums_D` order."""
+    shares_D: list[float] = field(default_factory=list)
+    """Each datum's share of a sequence in the `seq_mean_*` aggregations (`seq_shares`), in `datums_D` order."""
     runs: int = 0
     chunk_metrics: list[tuple[dict[str, float], float]] = field(default_factory=list)
     """(forward_backward metrics, trained tokens) per chunk, when accumulating."""
@@ -344,6 +378,8 @@ class BatchUpdate:
         if cfg.kl_placement == "reward":
             kl_D = kl_sums(old_logprobs_D, extras["ref_logprobs"], datums_D, cfg.kl_estimator)
         shaping = chunk_advantages(groups, datums_D, run_of_D, cfg, self.kl_beta, kl_D)
+        shares_D = seq_shares(datums_D, run_of_D, cfg.run_weighting)
+        self.shares_D += shares_D
         self.shaping.kl_penalty_R += shaping.kl_penalty_R
         self.shaping.overlong_R += shaping.overlong_R
         tokens = float(sum(sum(d.weights) for d in datums_D))
@@ -359,7 +395,8 @@ class BatchUpdate:
             metrics = timed(
                 self.times, "fwd_bwd", self.policy.forward_backward, datums_D,
                 make_loss_fn(cfg, self.kl_beta, normalised=False), temperature=cfg.sampling.temperature,
-                extras=extras, with_entropy=entropy_in_training_pass(cfg, extras), entropy_grad=cfg.entropy_coef != 0,
+                extras=extras | share_extras(datums_D, shares_D), with_entropy=entropy_in_training_pass(cfg, extras),
+                entropy_grad=cfg.entropy_coef != 0,
             )
             self.chunk_metrics.append((metrics, tokens))
 
@@ -379,10 +416,10 @@ class BatchUpdate:
         """One optimizer step on the accumulated gradient, or the full PPO inner loop."""
         gap = {GAP: self.gap_sum / self.gap_tokens} if self.gap_tokens else {}
         if not self.accumulates:
-            return ppo_update(self.policy, self.datums_D, self.extras, self.cfg, self.rng, self.kl_beta,
-                              self.times) | gap
+            extras = self.extras | share_extras(self.datums_D, self.shares_D)
+            return ppo_update(self.policy, self.datums_D, extras, self.cfg, self.rng, self.kl_beta, self.times) | gap
         tokens = float(sum(sum(d.weights) for d in self.datums_D))
-        denominator = LOSS_AGG_MODES[self.cfg.loss_agg_mode].batch_denominator(tokens, len(self.datums_D))
+        denominator = LOSS_AGG_MODES[self.cfg.loss_agg_mode].batch_denominator(tokens, sum(self.shares_D))
         self.policy.divide_grads(denominator)
         metrics = reduce_metrics(self.chunk_metrics)
         metrics["loss"] = sum(m["loss"] for m, _ in self.chunk_metrics) / denominator

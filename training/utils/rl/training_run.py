@@ -6,15 +6,18 @@ resume_state)`, `resume_state` being what a checkpoint needs to continue from th
 weights (the data cursor, ...). `recipe_main(loop, Config)` makes the recipe's `main()`, the
 same for both recipes:
 
-0. seeds; what `startup.py` prepares (trainers, a resume refused if the settings it was written
+0. the lock on `log_path` (`run_lock.py`: one run per directory), a check that `output_dir` may be
+   replaced; seeds; what `startup.py` prepares (trainers, a resume refused if the settings it was written
    under changed (`resume.py`), or else a warm start; the deployment, the agent shim, the rollout
    setup); the run state β (`train_step.KLCoefficient`); the trainer thread, which under torchrun
    the other ranks only follow; the ledger, the user's rollout function; evaluation before the
    first step;
-1. the recipe's loop; after each step: evaluation, ledger, run health, a stop when too many
+1. the recipe's loop, with a watchdog that stops the run when the event loop stops turning
+   (`loop_watchdog.py`); after each step: evaluation, ledger, run health, a stop when too many
    optimizer steps were skipped, a checkpoint;
 2. a stop with the reasons when no group was trained at all; else the last checkpoint, weight
-   sync and evaluation if the loop's last step did not make them, and the Hugging Face export;
+   sync and evaluation if the loop's last step did not make them, and the Hugging Face export
+   (switched in whole: `atomic_dir.py`);
    then the shutdown in order (never waiting on a task that ignores cancellation) and the
    run's summary.
 """
@@ -36,15 +39,17 @@ import numpy as np
 import torch
 
 from training.utils import distributed
+from training.utils.atomic_dir import check_replaceable
 from training.utils.checkpoint import latest_checkpoint, save_checkpoint
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment
 from training.utils.errors import ConfigError, EvaluationTimeoutError, NothingTrainedError, SkippedStepsError
 from training.utils.logging import RunLogger
+from training.utils.loop_watchdog import LoopWatchdog
 from training.utils.rl.dataset import DurableRowSource
 from training.utils.rl.groups import SettledRow
 from training.utils.rl.health import RunHealth
-from training.utils.rl.resume import check_resumable, run_settings
+from training.utils.rl.resume import run_settings
 from training.utils.rl.rollout.invoke import DrawFn, bind_draws
 from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
 from training.utils.rl.startup import (
@@ -54,11 +59,13 @@ from training.utils.rl.startup import (
     restore,
     setup_trainers,
     start_agent_shim,
+    trainable_sequence_limit,
     warm_start,
 )
 from training.utils.rl.telemetry import EngineCounters
 from training.utils.rl.train_step import KLCoefficient
 from training.utils.rl.worker import TrainerWorker
+from training.utils.run_lock import run_lock
 from training.utils.trainer import Reference, Trainer
 
 log = logging.getLogger("training")
@@ -113,7 +120,8 @@ class TrainingRun:
     def draws(self) -> DrawFn:
         """The user's rollout function bound to each draw's context (`rollout.invoke.bind_draws`)."""
         return bind_draws(self.rollout_fn, rows_per_epoch=len(self.rows),
-                          vocab_size=self.policy.model.config.vocab_size, timeout_s=self.cfg.rollout_timeout_s)
+                          vocab_size=self.policy.model.config.vocab_size, timeout_s=self.cfg.rollout_timeout_s,
+                          limit=trainable_sequence_limit(self.cfg, self.policy, self.deployment))
 
     def row_source(self) -> DurableRowSource:
         """The rows in cursor order from where the checkpoint left off: `epochs` passes, or unbounded with
@@ -239,7 +247,10 @@ def recipe_main(loop: Loop, config_class: type[RLConfig]) -> Callable[..., dict[
             raise ConfigError(f"{loop.__module__}.main() needs a {loop.__module__}.Config, got "
                               f"{type(cfg).__module__}.{type(cfg).__name__}; build it from the recipe you import")
         rows = read_rows(cfg, rows)
-        with distributed.distributed_session(cfg.trainer.distributed_timeout_s):  # a no-op without torchrun
+        if cfg.output_dir:  # checked before training: a refused export would lose the run's weights
+            check_replaceable(cfg.output_dir)
+        # run_lock: one run per log_path (rank 0 holds it); distributed_session is a no-op without torchrun.
+        with distributed.distributed_session(cfg.trainer.distributed_timeout_s), run_lock(cfg.log_path):
             return run_abandoning_stragglers(run_recipe(
                 loop, cfg, rows, rollout_fn_factory, evaluation_fn=evaluation_fn, rollout_extras=rollout_extras,
                 dynamic_filter_fn=dynamic_filter_fn))
@@ -277,12 +288,11 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     total_steps = cfg.planned_steps(len(rows))
-    policy, reference, tokenizer = setup_trainers(cfg, total_steps)
-    progress = restore(cfg, policy, rng)
+    policy, reference, tokenizer, model = setup_trainers(cfg, total_steps)
+    settings = run_settings(cfg, rows, recipe=loop.__module__.rsplit(".", 1)[-1], model=model)
+    progress = restore(cfg, policy, rng, settings)  # refuses a checkpoint of other settings before loading it
     kl = KLCoefficient.for_run(cfg, progress)
     warm_start(cfg, policy, progress)  # a fresh run only: a resumed one keeps its checkpoint's weights
-    settings = run_settings(cfg, rows, recipe=loop.__module__.rsplit(".", 1)[-1])
-    check_resumable(progress, settings)
     # All trainer work goes through the worker; under torchrun it runs on every rank.
     worker = TrainerWorker(policy=policy, reference=reference, kl=kl, rng=rng, cfg=cfg, tokenizer=tokenizer)
     if not distributed.is_main():
@@ -292,6 +302,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
     logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress, wandb_project=cfg.wandb_project,
                        config=cfg.model_dump(), new_run=not progress)
     shim = run = None
+    watchdog = LoopWatchdog(cfg.event_loop_stall_s).start()  # from here on, a blocked event loop stops the run
     try:
         start_step = progress.get("step", 0)
         # The deployment serves the trainer's weights before the first rollout or evaluation: a resumed run pushes
@@ -309,7 +320,11 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         run.metrics = await evaluate(evaluation_fn, setup, start_step, logger, cfg)
         await loop(run, **loop_kwargs)
         await run.finish()
+    except asyncio.CancelledError:
+        watchdog.raise_if_fired()  # the watchdog's cancel: the run ends with its error
+        raise
     finally:
+        watchdog.stop()
         # The loop has stopped its rollouts. Then: 1. let the trainer thread finish its current operation
         # (under torchrun, then release the other ranks); 2. close the ledger; 3. stop the agent shim, then
         # the deployment it samples from.
@@ -325,7 +340,8 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
 async def evaluate(evaluation_fn: Callable | None, setup: RolloutSetup, step: int, logger: RunLogger | None,
                    cfg: RLConfig) -> dict[str, float]:
     """Run `evaluation_fn(setup, step)` under `eval_timeout_s`; its metrics are logged under `eval/`.
-    The timeout bounds what it awaits: a synchronous one blocks the event loop until it returns."""
+    The timeout bounds what it awaits: a synchronous one blocks the event loop until it returns, and stops the run
+    past `event_loop_stall_s` (`loop_watchdog.py`)."""
     if evaluation_fn is None:
         return {}
     deadline = asyncio.timeout(cfg.eval_timeout_s)

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from training.utils import distributed
+from training.utils.atomic_dir import replaced_directory
 from training.utils.config import TrainerConfig
 from training.utils.errors import ConfigError
 from training.utils.lora import adapters_disabled, merged_state_dict, standalone_copy, wrap_with_lora
@@ -441,7 +442,8 @@ class Trainer:
         """Write a Hugging Face directory (config + safetensors, and the tokenizer if given).
 
         With LoRA the directory holds the merged model (loadable without peft), written from a
-        temporary merged copy. Under torchrun every rank calls it and rank 0 writes.
+        temporary merged copy. Under torchrun every rank calls it and rank 0 writes. The directory is
+        replaced as a whole (`atomic_dir`): a kill mid-export leaves the earlier export, never a mix.
         """
         if self._sharded_root is not None:
             exported = self.model_for_inference()  # a collective: every rank gathers, rank 0 writes
@@ -449,9 +451,10 @@ class Trainer:
                 return
         else:
             exported = standalone_copy(self.model) if self.lora else self.model
-        exported.save_pretrained(path)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
+        with replaced_directory(path) as staging:
+            exported.save_pretrained(staging)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
 
     def adapter_disabled_reference(self) -> AdapterDisabledReference:
         """The KL reference of a LoRA policy: this trainer's module with its adapters disabled."""

@@ -37,7 +37,7 @@ from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowErr
 from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.agent.server import AgentShim
 from training.utils.rl.agent.session import ShimSession
-from training.utils.rl.agent.sessions import SessionTimeoutError
+from training.utils.rl.agent.sessions import SessionExpiredError, SessionLimitError, SessionTimeoutError
 from training.utils.rl.rollout.stitching import Segment, TraceIntegrityError
 
 __all__ = [
@@ -48,6 +48,8 @@ __all__ = [
     "ContextOverflowError",
     "ParsedOutput",
     "Segment",
+    "SessionExpiredError",
+    "SessionLimitError",
     "SessionTimeoutError",
     "ShimSession",
     "TraceIntegrityError",

@@ -1,4 +1,4 @@
-"""Readers of the request-body fields both wire formats share; a bad value raises `WireError` naming the field.
+"""Readers of the request-body fields the wire formats share; a bad value raises `WireError` naming the field.
 
 Wires import the module and call them qualified (`fields.flag(body, "stream")`), hence the short names.
 """
@@ -160,12 +160,13 @@ def function_tool(name: Any, description: Any, schema: Any, *, params: tuple[str
 
 
 def content_text(
-    content: Any, param: str, *, text_types: tuple[str, ...], part: str, accepted: str, unseen: list[UnseenPart]
+    content: Any, param: str, *, text_types: tuple[str, ...], part: str, accepted: str, unseen: list[UnseenPart],
+    text_keys: dict[str, str] | None = None,
 ) -> str:
     """The text of a content field: null, a string, or a list of typed parts joined by newlines.
 
     `part` is what the wire calls one entry ("block", "part") and `accepted` what the field may be, for errors;
-    parts the prompt cannot carry are noted in `unseen` (`part_text`).
+    parts the prompt cannot carry are noted in `unseen` (`part_text`, which reads `text_keys`).
     """
     if content is None:
         return ""
@@ -178,19 +179,22 @@ def content_text(
         where = f"{param}[{j}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("type"), str):
             raise WireError(f"{where} must be a {part} with a string 'type'", param=where)
-        texts.append(part_text(entry, where, text_types, unseen, noun=part))
+        texts.append(part_text(entry, where, text_types, unseen, noun=part, text_keys=text_keys))
     return "\n".join(texts)
 
 
-def part_text(part: dict, where: str, text_types: tuple[str, ...], unseen: list[UnseenPart], *, noun: str) -> str:
-    """One typed part's text (a part of type t in `text_types` holds it under key t). Other media, which the
-    text-only prompt cannot carry, become a placeholder and are noted in `unseen` (`noun`: "block", "part"),
-    for the server to refuse or let through (`agent_shim.unseen_content`)."""
+def part_text(part: dict, where: str, text_types: tuple[str, ...], unseen: list[UnseenPart], *, noun: str,
+              text_keys: dict[str, str] | None = None) -> str:
+    """One typed part's text (a part of type t in `text_types` holds it under key t, or under `text_keys[t]`:
+    a Responses `input_text` part under `text`). Other media, which the text-only prompt cannot carry, become a
+    placeholder and are noted in `unseen` (`noun`: "block", "part"), for the server to refuse or let through
+    (`agent_shim.unseen_content`)."""
     kind = part["type"]
     if kind in text_types:
-        text = part.get(kind)
+        key = (text_keys or {}).get(kind, kind)
+        text = part.get(key)
         if not isinstance(text, str):
-            raise WireError(f"{where}.{kind} must be a string", param=f"{where}.{kind}")
+            raise WireError(f"{where}.{key} must be a string", param=f"{where}.{key}")
         return text
     unseen.append(UnseenPart(where, kind, noun))
     return unseen_placeholder(kind)

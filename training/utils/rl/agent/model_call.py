@@ -6,7 +6,9 @@ whole path). In the session's queue turn (`turn_queue.py`):
 
 1. the session matches the request to a recorded turn and builds its prompt
    (`ShimSession.prepare`, in a render thread); no room left in the context is a 400 worded as
-   the wire's clients expect;
+   the wire's clients expect; an SDK retry of a request the session already answered gets that
+   answer again, as it was sent, and nothing is sampled or recorded (`is_sdk_retry`,
+   `ShimSession.answer_for`);
 2. the deployment samples it token-in/token-out with the trainer's sampling parameters and the
    session's affinity key; a failed or timed-out sampler call is a 503;
 3. the session checks the answer against the prompt sent (`ShimSession.check`): a broken trace
@@ -20,6 +22,18 @@ whole path). In the session's queue turn (`turn_queue.py`):
    once its content reached the client: a client gone before that leaves nothing recorded.
 
 Every await is bounded by `request_timeout_s`.
+
+Which requests are replayed. The official SDKs (`openai`, `anthropic`, in Python and TypeScript)
+send `x-stainless-retry-count` on every attempt: 0 on a call, 1, 2, ... on their own retries of it,
+which re-send the same body after a timeout, a dropped connection or a 5xx. A request is replayed
+when that header is 1 or more and its decoded body equals one this session answered on the same
+route (`session.request_hash`): the client lost a reply the trace already holds, and a second sample
+would leave that recorded turn a dead branch. Any new call starts at 0 and is sampled, even with a
+body identical to an answered one: that is how a client asks deliberately for another answer (a
+regeneration, a compaction asking again for a summary it did not get, a resumed session re-sending
+its last request). A client that retries on its own (Claude Code builds its SDK client with no
+retries), or one without the header (Codex, opencode, plain HTTP), cannot say which it means, so it
+is always sampled.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +60,9 @@ from training.utils.rl.agent.wire_format import TurnCodec, WireReply
 from training.utils.rl.rollout.stitching import TraceIntegrityError
 
 logger = logging.getLogger(__name__)
+
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
+"""The official SDKs' attempt counter: 0 on a call, 1, 2, ... on their retries of it."""
 
 # What a sampler call may fail with that is the deployment's fault, not the request's.
 _SAMPLING_FAILURES = (DeploymentError, RecoverableRolloutError, TimeoutError, ConnectionError, aiohttp.ClientError)
@@ -83,6 +101,10 @@ class ModelCalls:
         if self.cfg.unseen_content == "refuse":
             refuse_unseen(chat.unseen)
         prepared = await self.workers.prepare(session, chat)  # 1. matched and prompted
+        answered = session.answer_for(request.path, prepared) if is_sdk_retry(request) else None
+        if answered is not None:
+            session.count("retries_replayed")
+            return await self._deliver(request, session, answered, on_content=None)
         completions = await self._sample(session, prepared, chat.stop)  # 2.
         record = self._check(session, prepared, completions)  # 3.
         reply = client_reply(self.chat_format, record, chat, limited_by=prepared.limited_by,  # 4.
@@ -98,7 +120,8 @@ class ModelCalls:
             session.fail("recording_failures", f"trace recording failed: {e!r}")
             logger.exception("agent shim session %s: trace recording failed", session.label)
             raise WireError(f"trace recording failed: {e!r}", status=503) from None
-        return await self._deliver(request, session, staged, sent)  # 6.
+        return await self._deliver(request, session, sent,  # 6.
+                                   on_content=lambda: self._record(session, staged, request.path, sent))
 
     async def _sample(self, session: ShimSession, prepared: PreparedTurn, client_stop: list[str]) -> list:
         """The sampler's answer with the trainer's parameters, the client's stop sequences added, and the session's
@@ -134,12 +157,13 @@ class ModelCalls:
             logger.warning("agent shim session %s: trace integrity: %s", session.label, e)
             raise WireError(f"trace integrity check failed: {e}", status=503) from None
 
-    async def _deliver(self, request: web.Request, session: ShimSession, staged: StagedTurn,
-                       sent: WireReply) -> web.StreamResponse:
-        """Write the reply; record the turn once its content is written. A client gone before that records nothing."""
+    async def _deliver(self, request: web.Request, session: ShimSession, sent: WireReply,
+                       on_content: Callable[[], None] | None) -> web.StreamResponse:
+        """Write the reply, calling `on_content` (the turn's recording) once its content is written. A client gone
+        before that has nothing called."""
         timeout = self.cfg.request_timeout_s
         resp: web.StreamResponse | None = None
-        recorded = False
+        delivered = False
         try:
             if sent.events is None:
                 body = json.dumps(sent.body, ensure_ascii=False).encode()
@@ -148,7 +172,9 @@ class ModelCalls:
                     await resp.prepare(request)
                 async with asyncio.timeout(timeout):
                     await resp.write_eof()
-                recorded = self._record(session, staged)
+                delivered = True
+                if on_content is not None:
+                    on_content()
                 return resp
             content, closing = sent.events[:-2], sent.events[-2:]
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -158,7 +184,9 @@ class ModelCalls:
                 async with asyncio.timeout(timeout):
                     await resp.write(event)
             # The client holds the whole reply now; the closing events only end the stream.
-            recorded = self._record(session, staged)
+            delivered = True
+            if on_content is not None:
+                on_content()
             for event in closing:
                 async with asyncio.timeout(timeout):
                     await resp.write(event)
@@ -166,18 +194,27 @@ class ModelCalls:
                 await resp.write_eof()
             return resp
         except (ConnectionError, TimeoutError) as e:
-            if not recorded:
+            if not delivered:
                 session.count("client_disconnects")
                 logger.info("agent shim session %s: client gone before the reply was written (%r); not recorded",
                             session.label, e)
             # Nothing more can reach the client; aiohttp drops the connection when it finishes this response.
             return resp if resp is not None else web.Response(status=499)
 
-    def _record(self, session: ShimSession, staged: StagedTurn) -> bool:
+    def _record(self, session: ShimSession, staged: StagedTurn, route: str, sent: WireReply) -> None:
         try:
             session.commit(staged)
         except Exception as e:  # noqa: BLE001 - the reply is already out: count it, and fail the session at finish
             session.unrecorded_replies += 1
             session.fail("recording_failures", f"recording a delivered reply failed: {e!r}")
             logger.exception("agent shim session %s: recording a delivered reply failed", session.label)
-        return True
+            return
+        session.remember_answer(route, staged.prepared, sent)
+
+
+def is_sdk_retry(request: web.Request) -> bool:
+    """The request is an official SDK's own retry of a call (`RETRY_COUNT_HEADER` 1 or more)."""
+    try:
+        return int(request.headers.get(RETRY_COUNT_HEADER, "0")) >= 1
+    except ValueError:  # not a count (or past int's digit limit): not a retry the shim can vouch for
+        return False

@@ -1,10 +1,13 @@
 """Request bodies off the event loop: read within a size limit, decoded and rendered in worker threads.
 
 The event loop only moves bytes. Everything whose cost grows with the body runs in threads the
-shim owns (`RequestWorkers`), each wait bounded by `request_timeout_s`:
+shim owns (`RequestWorkers`), each wait bounded by `request_timeout_s`. Every route that takes a
+body (a model call, `count_tokens`) goes the same way:
 
-1. read the body, refusing one over `max_body_bytes` with a 413 (from Content-Length, before
-   reading, when the client sends it);
+1. take the body's share of `max_body_bytes_in_flight` (`BodyBudget`), which it holds until the
+   request is answered, so the bodies held across all requests are bounded; then read the body
+   within `client_timeout_s`, refusing one over `max_body_bytes` with a 413 (from
+   Content-Length, before reading, when the client sends it);
 2. turn its bytes into text, parse that as plain JSON and have the wire's codec decode it
    (`TurnCodec.parse`), in one of `PARSE_THREADS` threads; the raw bytes are freed once read as
    text and the parsed body once decoded, so at most two copies of a large body exist at any time;
@@ -16,7 +19,10 @@ shim owns (`RequestWorkers`), each wait bounded by `request_timeout_s`:
    session renders one request at a time, in its queue turn). The tokenizer is shared with the
    loop (decoding replies), these threads and the deployment's thread: HF fast tokenizers may
    encode from several threads at once, and the shim never reconfigures one (truncation,
-   padding), which is what makes a concurrent call fail ("Already borrowed").
+   padding), which is what makes a concurrent call fail ("Already borrowed"). Text the floor of
+   step 3 leaves out (assistant messages, tool schemas) could still make the prompt too long to
+   fit: `count_tokens` always, and a model call whenever its assistant text could overflow, render
+   the prompt as text and refuse it by its length before tokenizing it.
 
 A parse hands the GIL over every `_HANDOVER_EVERY_S` (`_GilHandover`): the body is decoded in
 slices, and the C JSON parser calls a Python hook per object that releases the GIL once that
@@ -30,22 +36,24 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from training.utils.config import AgentShimConfig
+from training.utils.deploy.connections import BodyTooLargeError, read_body
 from training.utils.rl.agent import fields
 from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError
 
 if TYPE_CHECKING:
     from training.utils.rl.agent.chat_format import ChatFormat
     from training.utils.rl.agent.session import PreparedTurn, ShimSession
-    from training.utils.rl.agent.wire_format import TurnCodec
 
 BODY_FLOOR_BYTES = 32 * 2**20
 """The derived body limit is never below the Anthropic Messages API's own (32 MB): a body the real API takes,
@@ -65,6 +73,15 @@ PARSE_THREADS = 4
 RENDER_THREADS = 4
 """Prompts rendered and tokenized at once, for the same reason: a session rendering a huge prompt (or counting
 one) leaves threads free for the others."""
+
+MAX_JSON_VALUES = 1_000_000
+"""The most JSON values a body may hold (a 413 beyond it), counted from above before parsing: a parsed value takes
+tens of bytes however short its text, so a body of millions of tiny values (`[{},{},...]`) would cost many times
+its size in memory and time. An agent's requests hold thousands; commas in their text count too, and still fit."""
+
+BODIES_IN_FLIGHT = 8
+"""`max_body_bytes_in_flight`, unset, is this many bodies of the largest size: room for every parse thread's body
+and as many more waiting, while many agents' ordinary bodies (far below the limit) never wait."""
 
 _UTF8_CHUNK = 1 << 20
 _DECODE_SLICE = 1 << 20
@@ -120,8 +137,13 @@ def _utf8_length(text: str) -> int:
 
 
 def parse_json(raw: bytearray) -> Any:
-    """The body as JSON (a WireError 400 otherwise: not JSON, NaN or Infinity, too deep, a lone surrogate);
-    empties `raw` once decoded."""
+    """The body as JSON (a WireError 400 otherwise: not JSON, NaN or Infinity, too deep, a lone surrogate; 413
+    past `MAX_JSON_VALUES`); empties `raw` once decoded."""
+    values = 1 + sum(raw.count(mark) for mark in (b",", b"[", b"{"))  # every value but the first follows one
+    if values > MAX_JSON_VALUES:
+        raw.clear()
+        raise WireError(f"the request body holds up to {values} JSON values (its commas, brackets and braces), "
+                        f"over the limit of {MAX_JSON_VALUES}", status=413)
     handover = _GilHandover()
     try:
         text = _decode(raw, handover)
@@ -140,20 +162,55 @@ def parse_json(raw: bytearray) -> Any:
     return body
 
 
-def parse_turn(raw: bytearray, codec: TurnCodec, token_bytes: int, context_tokens: int | None) -> ChatRequest:
-    """The body decoded by `codec`; an `EstimatedOverflowError` when its text alone cannot fit `context_tokens`."""
-    chat = codec.parse(parse_json(raw))
+def parse_turn(raw: bytearray, parse: Callable[[Any], ChatRequest], token_bytes: int,
+               context_tokens: int | None) -> ChatRequest:
+    """The body decoded by `parse` (a wire's `TurnCodec.parse`); an `EstimatedOverflowError` when its text alone
+    cannot fit `context_tokens`."""
+    chat = parse(parse_json(raw))
     if context_tokens:
         size, floor = text_token_floor(chat, token_bytes)
-        if floor >= context_tokens:
-            raise EstimatedOverflowError(
-                f"the prompt's text is {size} bytes, so at least {floor} tokens (no token covers more than "
-                f"{token_bytes} bytes), which leaves no room to generate within the context limit of "
-                f"{context_tokens} tokens (agent_shim.max_context_tokens); shorten or compact the conversation",
-                floor,
-                context_tokens,
-            )
+        _refuse_past_context("prompt's text", size, floor, token_bytes, context_tokens)
     return chat
+
+
+def count_prompt_tokens(chat_format: ChatFormat, chat: ChatRequest, token_bytes: int,
+                        context_tokens: int | None) -> int:
+    """`chat_format.count_tokens(chat)`, but a rendered prompt whose length alone cannot fit `context_tokens` is an
+    `EstimatedOverflowError` before it is tokenized (tokenizing costs many times the text's size in memory)."""
+    text = _rendered_within_context(chat_format, chat, token_bytes, context_tokens)
+    return len(chat_format.tokenizer.encode(text, add_special_tokens=False))
+
+
+def prepare_turn(session: ShimSession, chat: ChatRequest, token_bytes: int, context_tokens: int | None) -> PreparedTurn:
+    """`session.prepare(chat)`, refusing first (`EstimatedOverflowError`) a prompt that cannot fit `context_tokens`
+    because of its assistant messages, which the text floor of step 3 leaves out: when their text could overflow
+    the context, the rendered prompt's length is checked before anything is tokenized."""
+    if context_tokens:
+        assistant = sum(_utf8_length(m.get("content") or "") for m in chat.messages if m.get("role") == "assistant")
+        if text_token_floor(chat, token_bytes)[1] + -(-assistant // token_bytes) >= context_tokens:
+            _rendered_within_context(session.chat_format, chat, token_bytes, context_tokens)
+    return session.prepare(chat)
+
+
+def _rendered_within_context(chat_format: ChatFormat, chat: ChatRequest, token_bytes: int,
+                             context_tokens: int | None) -> str:
+    """The prompt rendered as text; an `EstimatedOverflowError` when its length alone cannot fit `context_tokens`."""
+    text = chat_format.render_text(chat_format.template_messages(chat), tools=chat_format.tools_for_template(chat))
+    if context_tokens:
+        size = _utf8_length(text)
+        _refuse_past_context("rendered prompt", size, -(-size // token_bytes), token_bytes, context_tokens)
+    return text
+
+
+def _refuse_past_context(what: str, size: int, floor: int, token_bytes: int, context_tokens: int) -> None:
+    if floor >= context_tokens:
+        raise EstimatedOverflowError(
+            f"the {what} is {size} bytes, so at least {floor} tokens (no token covers more than "
+            f"{token_bytes} bytes), which leaves no room to generate within the context limit of "
+            f"{context_tokens} tokens (agent_shim.max_context_tokens); shorten or compact the conversation",
+            floor,
+            context_tokens,
+        )
 
 
 def _not_json(constant: str) -> None:
@@ -193,6 +250,46 @@ class _GilHandover:
         return obj
 
 
+class BodyBudget:
+    """Bytes of request bodies held at once, across requests: each request takes its share before its body is read
+    and gives it back when it is answered. A share that does not fit waits, first come first served (a large body
+    is never overtaken for good), so no request holds part of its share while waiting for the rest."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+        self._waiting: deque[tuple[int, asyncio.Future]] = deque()
+
+    async def take(self, size: int) -> None:
+        """Wait until `size` more bytes fit, then hold them; give them back with `give`."""
+        if not self._waiting and self.held + size <= self.limit:
+            self.held += size
+            return
+        granted = asyncio.get_running_loop().create_future()
+        self._waiting.append((size, granted))
+        try:
+            await granted
+        except BaseException:
+            if granted.done() and not granted.cancelled():
+                self.give(size)  # granted just as the wait gave up
+            else:
+                if (size, granted) in self._waiting:
+                    self._waiting.remove((size, granted))
+                self._grant()  # it may have been the head that held the others back
+            raise
+
+    def give(self, size: int) -> None:
+        self.held -= size
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting and self.held + self._waiting[0][0] <= self.limit:
+            size, granted = self._waiting.popleft()
+            if not granted.done():  # else its wait was cancelled, and it is leaving
+                self.held += size
+                granted.set_result(None)
+
+
 class RequestWorkers:
     """The threads a shim's app parses and renders in, and the body and context limits they enforce.
 
@@ -201,47 +298,62 @@ class RequestWorkers:
 
     def __init__(self, tokenizer, cfg: AgentShimConfig):
         self.timeout = cfg.request_timeout_s
+        self.client_timeout = cfg.client_timeout_s
         self.context_tokens = cfg.max_context_tokens
         self.token_bytes = longest_token_bytes(tokenizer)
         self.max_body_bytes = body_limit(cfg, self.token_bytes)
         """Also the app's `client_max_size`."""
+        self.budget = BodyBudget(max(cfg.max_body_bytes_in_flight or BODIES_IN_FLIGHT * self.max_body_bytes,
+                                     self.max_body_bytes))
+        """`max_body_bytes_in_flight` (never below one body of the largest size)."""
         self._limit_origin = "" if cfg.max_body_bytes is not None else (
             f", unset: derived from the context of {self.context_tokens} tokens" if self.context_tokens
             else ", unset and no context length known")
         self._parsers = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="shim-parse")
         self._renderers = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="shim-render")
 
-    async def read(self, request: web.Request) -> bytearray:
-        """The raw body; a WireError 413 past `max_body_bytes`, 408 when it does not arrive in time."""
-        if request.content_length is not None and request.content_length > self.max_body_bytes:
-            raise self._too_large(f"is {request.content_length} bytes")
-        body = bytearray()
+    @contextlib.asynccontextmanager
+    async def body(self, request: web.Request) -> AsyncIterator[bytearray]:
+        """The raw body, its share of the budget held until the block ends. A WireError 413 past `max_body_bytes`,
+        408 when it has not all arrived within `client_timeout_s`, 503 when the bodies in flight leave it no room
+        within `client_timeout_s`."""
+        size = request.content_length
+        if size is not None and size > self.max_body_bytes:
+            raise self._too_large(f"is {size} bytes")
+        share = self.max_body_bytes if size is None else size
         try:
-            async with asyncio.timeout(self.timeout):
-                async for chunk in request.content.iter_any():
-                    body += chunk
-                    if len(body) > self.max_body_bytes:
-                        raise self._too_large(f"exceeds {self.max_body_bytes} bytes")
+            async with asyncio.timeout(self.client_timeout):
+                await self.budget.take(share)
         except TimeoutError:
-            raise WireError(f"the request body did not arrive within {self.timeout:g}s", status=408) from None
-        return body
-
-    async def parse_request(self, raw: bytearray, parse: Callable[[Any], ChatRequest]) -> ChatRequest:
-        """`parse` of the body, with no context check (`count_tokens` counts whatever it is sent)."""
-        return await self._run(self._parsers, "parsing the request body", lambda: parse(parse_json(raw)))
+            raise WireError(f"the shim holds {self.budget.held} bytes of request bodies and found no room for this "
+                            f"one's {share} within {self.client_timeout:g}s (agent_shim.max_body_bytes_in_flight="
+                            f"{self.budget.limit}); retry", status=503) from None
+        try:
+            try:
+                raw = await read_body(request, self.max_body_bytes, self.client_timeout)
+            except BodyTooLargeError:
+                raise self._too_large(f"exceeds {self.max_body_bytes} bytes") from None
+            except TimeoutError:
+                raise WireError(f"the request body did not arrive within {self.client_timeout:g}s "
+                                "(agent_shim.client_timeout_s)", status=408) from None
+            yield raw
+        finally:
+            self.budget.give(share)
 
     async def count_tokens(self, chat_format: ChatFormat, chat: ChatRequest) -> int:
-        """`chat_format.count_tokens(chat)` in a render thread."""
-        return await self._run(self._renderers, "counting the prompt's tokens", chat_format.count_tokens, chat)
+        """`count_prompt_tokens` in a render thread."""
+        return await self._run(self._renderers, "counting the prompt's tokens", count_prompt_tokens, chat_format,
+                               chat, self.token_bytes, self.context_tokens)
 
-    async def parse_turn(self, raw: bytearray, codec: TurnCodec) -> ChatRequest:
-        """`parse_turn` of the body: decoded by the wire's `codec`, and refused when its text cannot fit the context."""
-        return await self._run(self._parsers, "parsing the request body", parse_turn, raw, codec, self.token_bytes,
+    async def parse_turn(self, raw: bytearray, parse: Callable[[Any], ChatRequest]) -> ChatRequest:
+        """`parse_turn` of the body: decoded by `parse`, and refused when its text cannot fit the context."""
+        return await self._run(self._parsers, "parsing the request body", parse_turn, raw, parse, self.token_bytes,
                                self.context_tokens)
 
     async def prepare(self, session: ShimSession, chat: ChatRequest) -> PreparedTurn:
-        """`session.prepare(chat)` in a render thread; call it in the session's queue turn."""
-        return await self._run(self._renderers, "rendering the prompt", session.prepare, chat)
+        """`prepare_turn` in a render thread; call it in the session's queue turn."""
+        return await self._run(self._renderers, "rendering the prompt", prepare_turn, session, chat, self.token_bytes,
+                               self.context_tokens)
 
     async def close(self, _app: web.Application | None = None) -> None:
         """Take no more work; a job already running finishes in its thread, its result unread."""

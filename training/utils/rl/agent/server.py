@@ -14,6 +14,11 @@ shared `GET /v1/models` and `GET /healthz`. A model call is the top of the path 
 docstring walks: the session its key names (`sessions.py`), its body decoded by the wire's
 codec in a worker thread (`request_body.py`), then `model_call.py`. Whatever is refused on the
 way is answered in the error shape of the route's wire.
+
+What an agent with a shell could exhaust is bounded: connections by `client_timeout_s`
+(`deploy.connections.ClientDeadlines`: headers, bodies, replies not taken), request bodies in
+memory by `max_body_bytes` each and `max_body_bytes_in_flight` together (`request_body.py`),
+sessions by `max_open_sessions` and `session_idle_timeout_s` (`sessions.py`).
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import aiohttp
 from aiohttp import web
 
 from training.utils.config import AgentShimConfig
+from training.utils.deploy.connections import ClientDeadlines
 from training.utils.deploy.http_client import auth_headers
 from training.utils.errors import ConfigError
-from training.utils.rl.agent import wire_anthropic, wire_openai
+from training.utils.rl.agent import wire_anthropic, wire_openai, wire_openai_responses
 from training.utils.rl.agent.chat_format import ChatFormat
 from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError
 from training.utils.rl.agent.model_call import ModelCalls
@@ -51,7 +57,9 @@ REQUEST_WORKERS = web.AppKey("request_workers", RequestWorkers)
 MODEL_CALLS = web.AppKey("model_calls", ModelCalls)
 """The app's model-call flow (`model_call.ModelCalls`), built with it."""
 
-WIRE_FORMATS: dict[str, WireFormat] = {wire.name: wire for wire in (wire_anthropic.WIRE, wire_openai.WIRE)}
+WIRE_FORMATS: dict[str, WireFormat] = {
+    wire.name: wire for wire in (wire_anthropic.WIRE, wire_openai.WIRE, wire_openai_responses.WIRE)
+}
 """Every wire format the server speaks, by name. A new one is a `wire_*.py` module declaring a `WireFormat`
 and an entry here: the app is built from this registry alone."""
 
@@ -98,7 +106,8 @@ class AgentShim:
         """The deployment's context length; None until `start` asks the deployment (and if it does not say)."""
         self.base_url: str | None = None
         self._runner: web.AppRunner | None = None
-        self._sessions = Sessions()
+        self._deadlines = ClientDeadlines(cfg.client_timeout_s)
+        self._sessions = Sessions(cfg.session_idle_timeout_s, cfg.max_open_sessions)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -117,19 +126,17 @@ class AgentShim:
         runner = web.AppRunner(self._make_app(), access_log=None, shutdown_timeout=5.0)
         try:
             await runner.setup()
-            await web.TCPSite(runner, self.cfg.host, self.cfg.port).start()
+            base_url = await self._deadlines.serve(runner, self.cfg.host, self.cfg.port)
         except BaseException:
             await runner.cleanup()
             raise
-        self._runner = runner
-        port = runner.addresses[0][1]
-        host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
-        self.base_url = f"http://{host}:{port}"
+        self._runner, self.base_url = runner, base_url
         return self.base_url
 
     async def close(self) -> None:
         """Stop serving; sessions still open record nothing more. Close it before the deployment."""
         self._sessions.close_all()
+        self._deadlines.stop_listening()
         runner, self._runner, self.base_url = self._runner, None, None
         if runner is not None:
             await runner.cleanup()
@@ -137,7 +144,8 @@ class AgentShim:
     # ------------------------------------------------------------------ sessions (the rollout's API)
 
     def open_session(self, run_id: str | None = None) -> ShimSession:
-        """A new session with a fresh key (the agent's API key) and a fresh affinity key."""
+        """A new session with a fresh key (the agent's API key) and a fresh affinity key; a `SessionLimitError`
+        (recoverable) when `cfg.max_open_sessions` are open."""
         if self.base_url is None:
             raise RuntimeError("the agent shim is not running; await shim.start() before open_session()")
         return self._sessions.add(ShimSession(
@@ -157,7 +165,8 @@ class AgentShim:
         """Close a session and return what it recorded.
 
         Requests still queued get 401 "session is closed"; the one in flight, if any, is
-        waited for (up to `timeout`, then `SessionTimeoutError`). Without `reward`, returns the
+        waited for (up to `timeout`, then `SessionTimeoutError`). A session that expired
+        (`cfg.session_idle_timeout_s`) raises `SessionExpiredError`. Without `reward`, returns the
         segments (chains the session left "branch", the current leaf "final"); with
         it, one `RolloutRun` of them all sharing `reward` (None when nothing is trainable).
         """
@@ -169,7 +178,8 @@ class AgentShim:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters summed over every session (open and finished), plus session counts."""
+        """Counters summed over every session (open, finished and expired), plus `sessions_open`,
+        `sessions_finished`, `sessions_expired` and `sessions_refused` (`open_session` past the limit)."""
         return self._sessions.stats()
 
     # ------------------------------------------------------------------ what route handlers call (WireServer)
@@ -181,31 +191,35 @@ class AgentShim:
     async def count_tokens(self, request: web.Request, parse: Callable[[Any], ChatRequest]) -> int:
         """The prompt tokens of the request body as `parse` decodes it, parsed and rendered in worker threads;
         a WireError 413 (too large), 408 (too slow) or 400 (not UTF-8 JSON, NaN or Infinity, nesting past
-        `fields.MAX_DEPTH`, a lone surrogate anywhere, or a field `parse` refuses)."""
+        `fields.MAX_DEPTH`, a lone surrogate anywhere, or a field `parse` refuses), or a `ContextOverflowError`
+        when the prompt's length alone cannot fit the context (it is then never tokenized)."""
         workers = request.app[REQUEST_WORKERS]
-        chat = await workers.parse_request(await workers.read(request), parse)
-        return await workers.count_tokens(self.chat_format, chat)
+        async with workers.body(request) as raw:  # bounded as a model call's body is, rendered only if it can fit
+            return await workers.count_tokens(self.chat_format, await workers.parse_turn(raw, parse))
 
     async def model_call(self, request: web.Request, codec: TurnCodec) -> web.StreamResponse:
         """Answer one model request and record the turn: its session, its body decoded by `codec`, then the flow
         every wire shares (`model_call.ModelCalls`), which encodes the reply with `codec` again."""
         session = self._sessions.for_request(request)
         workers = request.app[REQUEST_WORKERS]
-        # Decoded before queueing, in a worker thread: a bad request waits for nothing and changes nothing,
-        # and a prompt whose text alone cannot fit the context is refused before anything is rendered.
-        try:
-            chat = await workers.parse_turn(await workers.read(request), codec)
-        except ContextOverflowError:
-            session.count("context_overflows")
-            raise
-        return await request.app[MODEL_CALLS].answer(request, session, chat, codec)
+        with self._sessions.in_use(session):
+            async with workers.body(request) as raw:
+                # Decoded before queueing, in a worker thread: a bad request waits for nothing and changes nothing,
+                # and a prompt whose text alone cannot fit the context is refused before anything is rendered.
+                try:
+                    chat = await workers.parse_turn(raw, codec.parse)
+                except ContextOverflowError:
+                    session.count("context_overflows")
+                    raise
+                return await request.app[MODEL_CALLS].answer(request, session, chat, codec)
 
     # ------------------------------------------------------------------ HTTP plumbing
 
     def _make_app(self) -> web.Application:
         wires = list(WIRE_FORMATS.values())
         workers = RequestWorkers(self.tokenizer, self.cfg)
-        app = web.Application(middlewares=[_error_middleware(wires)], client_max_size=workers.max_body_bytes)
+        app = web.Application(middlewares=[self._deadlines.middleware, _error_middleware(wires)],
+                              client_max_size=workers.max_body_bytes)
         app[REQUEST_WORKERS] = workers
         app[MODEL_CALLS] = ModelCalls(self.sampler, self.sample_kwargs, self.chat_format, self.cfg, self.model_name,
                                       workers)
@@ -250,8 +264,10 @@ class AgentShim:
         return web.json_response(listing)
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        limit = request.app[REQUEST_WORKERS].max_body_bytes
-        return web.json_response({"status": "ok", "sessions_open": len(self._sessions), "max_body_bytes": limit})
+        workers = request.app[REQUEST_WORKERS]
+        return web.json_response({"status": "ok", "sessions_open": len(self._sessions),
+                                  "connections": len(self._deadlines), "max_body_bytes": workers.max_body_bytes,
+                                  "body_bytes_in_flight": workers.budget.held})
 
 
 async def served_context_tokens(sampler: Any, timeout_s: float = _CONTEXT_QUERY_TIMEOUT_S) -> int | None:

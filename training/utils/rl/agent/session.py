@@ -14,6 +14,8 @@ these steps (`model_call.py` runs them):
    still be a 503.
 4. `commit`, once the reply reached the client: add the turn to the tree (`TurnTree`). A turn
    the client never saw is never recorded, or the agent's next request would diverge from it.
+   The reply as sent is kept with the request's hash (`remember_answer`), so that an SDK's retry
+   of that very request is answered from the record (`answer_for`) instead of sampled again.
 
 A WIPE is a *branch* when the request resumes from an earlier point than the latest turn (a
 retry, an edited history) and a *compaction* when its history matches no recorded turn at all
@@ -24,8 +26,9 @@ order), then the current leaf ("final"), then any other leaf ("branch").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
 
 from training.utils.config import AgentShimConfig
 from training.utils.rl.agent.chat_format import ChatFormat
@@ -54,6 +57,14 @@ from training.utils.rl.rollout.turn_matching import (
 )
 from training.utils.rl.rollout.types import RolloutRun
 
+if TYPE_CHECKING:
+    from training.utils.rl.agent.wire_format import WireReply
+
+ANSWERS_KEPT = 16
+"""Replies a session keeps for replaying retries, the latest first. An SDK retries the call it has just made, and
+each agent (the main one, each sub-agent running beside it) has one call in flight at a time, so the last few
+answers hold every reply a retry can ask for; older ones are dropped to bound the session's memory."""
+
 COUNTERS = (
     "turns",
     "new",
@@ -68,13 +79,16 @@ COUNTERS = (
     "render_fallbacks",
     "recording_failures",
     "client_disconnects",
+    "retries_replayed",
 )
 """Per-session event counts. `turns` recorded turns, of which `new` / `appends` / `branches` (resumed from
 an earlier point than the latest turn: retries, edits) / `compactions` (a history that matches no recorded
 turn: a summary, a sub-agent's first request); `auxiliary` answered tool-less calls never recorded;
 `integrity_failures` sampler answers that broke the trace contract (also counted in `sampling_failures`);
 `render_fallbacks` continuations that could not extend the parent's exact tokens and were rendered afresh
-(stitching then splits); `client_disconnects` replies the client was gone for (nothing recorded)."""
+(stitching then splits); `client_disconnects` replies the client was gone for (nothing recorded);
+`retries_replayed` SDK retries of a request already answered, sent the recorded reply again (nothing sampled,
+nothing recorded)."""
 
 _KIND_COUNTERS = {"new": "new", "append": "appends", "branch": "branches", "compaction": "compactions"}
 
@@ -108,6 +122,8 @@ class PreparedTurn:
     """The client's trailing assistant text the model continues (None: no prefill)."""
     prefill_ids: list[int] = field(default_factory=list)
     """Its ids, the end of `prompt_ids`."""
+    request_hash: str = ""
+    """`request_hash(request)`: what an SDK retry of this request has in common with it."""
 
 
 @dataclass
@@ -126,6 +142,14 @@ class StagedTurn:
     """The prompt and sampled ids after this turn, for the next turn to extend (`prompt.SessionPrompts`)."""
     identity: str | None = None
     """The reply's identity (`turn_matching.unit_hash` of its normalized message), to restore it when echoed."""
+
+
+def request_hash(request: ChatRequest) -> str:
+    """The hash of every field of a decoded request: equal for an SDK's retry, which re-sends the same body.
+
+    Taken over the decoded request, so two bodies that differ only where the shim reads nothing (a sampling
+    parameter the trainer overrides, metadata) hash alike: the shim would answer them alike."""
+    return unit_hash({f.name: getattr(request, f.name) for f in fields(request)})
 
 
 class ShimSession:
@@ -154,6 +178,7 @@ class ShimSession:
         """Replies the client received but that could not be recorded (a bug): the trace has a hole,
         so `result` raises instead of returning segments."""
         self.queue = TurnQueue()
+        self.chat_format = chat_format
         self.prompts = SessionPrompts(chat_format, tokenizer, key)
         self._cfg = cfg
         self._max_tokens = int(max_tokens)
@@ -164,6 +189,7 @@ class ShimSession:
         self._frozen: list[int] = []
         self._root_requests: list[list] = []  # request units of each root turn: a request starting with one is a retry
         self._response_units: dict[int, list] = {}
+        self._answers: OrderedDict[tuple[str, str], WireReply] = OrderedDict()
         self._accepting = True
 
     def __repr__(self) -> str:
@@ -217,7 +243,8 @@ class ShimSession:
             raise
         kind = "" if decision is None else turn_label(decision, units, self._root_requests)
         return PreparedTurn(request, restored, prompt_ids, max_tokens, limited_by, decision is not None, units,
-                            decision, kind, render.assembler, render.how, prefill, prefill_ids)
+                            decision, kind, render.assembler, render.how, prefill, prefill_ids,
+                            request_hash(request))
 
     def _resolve(self, units: list) -> TurnDecision:
         return resolve_parent(units, self._response_units, self._leaf, self._stored_units)
@@ -306,6 +333,20 @@ class ShimSession:
         self.count("turns")
         self.count(_KIND_COUNTERS[prepared.kind])
         return node
+
+    # ------------------------------------------------------------------ replies kept for retries
+
+    def remember_answer(self, route: str, prepared: PreparedTurn, sent: WireReply) -> None:
+        """Keep the reply as sent to `prepared`'s request on `route`, for a retry of it (the latest `ANSWERS_KEPT`)."""
+        key = (route, prepared.request_hash)
+        self._answers[key] = sent
+        self._answers.move_to_end(key)
+        while len(self._answers) > ANSWERS_KEPT:
+            self._answers.popitem(last=False)
+
+    def answer_for(self, route: str, prepared: PreparedTurn) -> WireReply | None:
+        """The reply already sent to a request identical to `prepared`'s on `route`, if this session still keeps it."""
+        return self._answers.get((route, prepared.request_hash))
 
     # ------------------------------------------------------------------ end of the run
 

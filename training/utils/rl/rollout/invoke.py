@@ -24,7 +24,7 @@ import openai
 
 from training.utils.errors import ConfigError, RecoverableRolloutError, RolloutCancellationError
 from training.utils.rl.dataset import RowItem
-from training.utils.rl.rollout.types import RolloutRun, validate_run
+from training.utils.rl.rollout.types import RolloutRun, SequenceLimit, validate_run
 
 CONTEXT_KEYS = ("cursor_index", "row_index", "epoch", "end_of_epoch", "sample_index", "rollout_idx", "submit_version",
                 "evaluation")
@@ -106,16 +106,17 @@ DrawFn = Callable[[RowItem, int, int], Awaitable[DrawResult]]
 
 
 def bind_draws(rollout_fn: Callable, *, rows_per_epoch: int, vocab_size: int | None, timeout_s: float,
-               evaluation: bool = False) -> DrawFn:
+               evaluation: bool = False, limit: SequenceLimit | None = None) -> DrawFn:
     """The user's rollout function bound to the context of each draw: the one place both recipes and
-    `rollout_evaluation` call it from. Its declared context keys are read (and checked) here, once."""
+    `rollout_evaluation` call it from. Its declared context keys are read (and checked) here, once; `limit` is
+    the longest segment a run trains (`rollout.types.sequence_limit`)."""
     context_keys = context_params(rollout_fn)
 
     async def draw(item: RowItem, sample_index: int, submit_version: int) -> DrawResult:
         context = draw_context(item, rows_per_epoch=rows_per_epoch, sample_index=sample_index,
                                submit_version=submit_version, evaluation=evaluation)
         return await run_draw(rollout_fn, item.row, context, context_keys, row_id=item.row_id,
-                              draw_index=sample_index, vocab_size=vocab_size, timeout_s=timeout_s)
+                              draw_index=sample_index, vocab_size=vocab_size, timeout_s=timeout_s, limit=limit)
 
     return draw
 
@@ -130,6 +131,7 @@ async def run_draw(
     draw_index: int,
     vocab_size: int | None,
     timeout_s: float,
+    limit: SequenceLimit | None = None,
 ) -> DrawResult:
     """Call `rollout_fn(row, **ctx)` with a timeout; drops are returned, bugs are raised."""
     kwargs = {k: context[k] for k in accepted_keys if k in context}
@@ -153,7 +155,8 @@ async def run_draw(
         raise
     if result is None:
         return DrawResult(None, NONE_RETURNED)
-    return DrawResult(validate_run(result, row_id=row_id, draw_index=draw_index, vocab_size=vocab_size))
+    return DrawResult(validate_run(result, row_id=row_id, draw_index=draw_index, vocab_size=vocab_size,
+                                   limit=limit))
 
 
 async def _cancel_at_timeout(call: asyncio.Future, timeout_s: float, *, row_id: Any, draw_index: int) -> DrawResult:

@@ -24,6 +24,14 @@ Wherever the mask is 0, the logprob is 0.0 and the version -1: nothing that was 
 a training target carries a value. `TurnTree` holds the turns of a session as an append-only
 tree (retries and sub-agents are branches) and materializes selected root-to-leaf paths, so a
 shared prefix is trained on exactly one path.
+
+A sampled response is trained once. A turn *repeats* an earlier one when its prompt ids and its
+output ids are both exactly those of a turn recorded before it: the same answer to the same
+context, drawn again (a client that regenerates, a compaction or a resumed session re-sending a
+request the model had answered, and the model answering alike). Both turns stay in the tree, since
+the chain after the repeat builds on it, but the repeat's output is context (mask 0) in its own
+segment, trained only where it was first sampled. The same output after a different prompt is a
+new decision and is trained.
 """
 
 from __future__ import annotations
@@ -326,6 +334,20 @@ class TurnTree:
             path.append(parent)
         return path[::-1]
 
+    def first_sampled(self) -> list[int]:
+        """For each node, the first node whose turn has the same prompt ids and output ids (itself when no earlier
+        one does): the node a repeat is trained at. Outputs are compared first, prompts only when outputs agree."""
+        by_output: dict[tuple[int, ...], list[int]] = {}
+        first = []
+        for node in self._nodes:
+            turn = node.turn
+            same_output = by_output.setdefault(tuple(turn.output_ids), [])
+            match = next((i for i in same_output if self._nodes[i].turn.prompt_ids == turn.prompt_ids), None)
+            if match is None:
+                same_output.append(node.node_id)
+            first.append(node.node_id if match is None else match)
+        return first
+
     def materialize(
         self,
         selected: Sequence[tuple[int, str]] | None = None,
@@ -338,7 +360,9 @@ class TurnTree:
         Default: every leaf in id order as "final". A node's output is trained on the first path
         whose *kept* segment trains it and is context on later paths, so a shared prefix is
         trained exactly once, and an output whose segment was dropped (too long, `max_context_tokens`)
-        is trained on a later path that keeps it.
+        is trained on a later path that keeps it. A repeat (`first_sampled`: the same prompt and output
+        ids as an earlier node) counts as that earlier node: context wherever it appears, unless no
+        selected path left trains the earlier one. Each segment's metadata counts its `repeated_turns`.
         """
         selection = [(leaf, "final") for leaf in self.leaves()] if selected is None else list(selected)
         seen: set[int] = set()
@@ -349,23 +373,31 @@ class TurnTree:
             if leaf in seen:
                 raise ValueError(f"turn-tree leaf {leaf} is selected twice")
             seen.add(leaf)
-        trained_nodes: set[int] = set()
+        paths = [self.path(leaf) for leaf, _ in selection]
+        first = self.first_sampled()
+        last_path_through = {node: k for k, path in enumerate(paths) for node in path}
+        trained: set[int] = set()  # first-sampled nodes whose output a kept segment trains
         segments = []
-        for leaf, kind in selection:
-            path = self.path(leaf)
+        for k, ((leaf, kind), path) in enumerate(zip(selection, paths)):
+            train, claimed = [], set()
+            for node in path:
+                original = first[node]
+                # A repeat is trained only when every path through its first sampling is past and none trained it.
+                train.append(original not in trained and original not in claimed
+                             and (node == original or last_path_through.get(original, -1) < k))
+                if train[-1]:
+                    claimed.add(original)
             nodes = [self._nodes[i] for i in path]
-            for segment in stitch(
-                [n.turn for n in nodes],
-                policy=policy,
-                train_outputs=[i not in trained_nodes for i in path],
-                max_context_tokens=max_context_tokens,
-            ):
-                trained_nodes.update(path[i] for i in segment.trainable_turn_indices)
+            for segment in stitch([n.turn for n in nodes], policy=policy, train_outputs=train,
+                                  max_context_tokens=max_context_tokens):
+                trained.update(first[path[i]] for i in segment.trainable_turn_indices)
                 segment.metadata.update(
                     segment_kind=kind,
                     tree_leaf_id=leaf,
                     tree_path_node_ids=path,
                     tree_response_ids=[n.response_id for n in nodes],
+                    repeated_turns=sum(first[path[i]] != path[i] and not train[i]
+                                       for i in segment.metadata["turn_indices"]),
                 )
                 segments.append(segment)
         return segments

@@ -2,7 +2,8 @@
 
 `rollout_fn(row, **ctx)` returns a `RolloutSample` (one segment), a `RolloutRun` (several
 segments sharing one reward), or `None` (drop this draw). `validate_run` checks the
-return at the boundary and names the row, draw, segment and field on any violation.
+return at the boundary and names the row, draw, segment and field on any violation, so
+nothing malformed, too long for the model or out of the arithmetic's range reaches the trainer.
 A `PromptGroup` is one row's surviving runs and their rewards; where a chunk trains, `pack_run`
 shifts each run's segments by one into `Datum`s carrying the run's advantage.
 """
@@ -14,9 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training.utils.errors import RolloutContractError
+from training.utils.rl.advantages import MAX_ABS_REWARD
 from training.utils.trainer.batching import Datum
 
 FINISH_REASONS = ("stop", "length", "abort")
+MIN_LOGPROB = -1e15
+"""The lowest logprob a trained position may hold: far below any a sampler reports for a token it sampled, and
+well inside float32, where the trainer holds logprobs (a value beyond its range would turn into -inf there)."""
 
 
 @dataclass
@@ -24,12 +29,16 @@ class RolloutSample:
     """One training segment: three parallel per-token lists plus a reward."""
 
     tokens: list[int]
-    """The whole sequence: prompt, sampled outputs, and any tool/user tokens in between."""
+    """The whole sequence: prompt, sampled outputs, and any tool/user tokens in between. At most as many tokens
+    as the run can train (`SequenceLimit`: the policy's context, the deployment's, `max_sequence_tokens`)."""
     logprobs: list[float]
-    """Sampler logprob of each token under the distribution it was sampled from; 0.0 where not sampled."""
+    """Sampler logprob of each token under the distribution it was sampled from; 0.0 where not sampled. Finite,
+    <= 0 and >= `MIN_LOGPROB` (-1e15) wherever the mask trains."""
     loss_mask: list[int]
     """1 on tokens sampled by the policy (trained), 0 elsewhere."""
     reward: float
+    """A finite number with |reward| <= `MAX_ABS_REWARD` (1e15), which keeps the advantage arithmetic finite:
+    the group's squared deviations, and the advantage times the token ratios in the float32 loss."""
     finish_reason: str = "stop"
     """"stop", "length" (truncated at max_tokens) or "abort"."""
     text: str = ""
@@ -123,11 +132,36 @@ def sample_from_completion(
     )
 
 
-def validate_run(result: Any, *, row_id: Any, draw_index: int, vocab_size: int | None) -> RolloutRun:
+@dataclass(frozen=True)
+class SequenceLimit:
+    """The most tokens one segment may hold, and what sets that bound (named when a segment exceeds it)."""
+
+    tokens: int
+    source: str
+    """What sets it, e.g. "the policy's max_position_embeddings"."""
+
+
+def sequence_limit(*, configured: int | None, model_positions: int | None,
+                   deployment_context: int | None) -> SequenceLimit | None:
+    """The tightest of the bounds known: `max_sequence_tokens`, the positions the policy was built for
+    (`max_position_embeddings`), the context the deployment serves; None when none is known. A segment is
+    trained whole, so one longer than the model's context trains on positions it never learned, and a huge one
+    holds the trainer for as long as it takes to fail."""
+    bounds = [SequenceLimit(n, source) for n, source in (
+        (configured, "max_sequence_tokens"),
+        (model_positions, "the policy's context (its max_position_embeddings)"),
+        (deployment_context, "the deployment's context length"),
+    ) if n is not None]
+    return min(bounds, key=lambda bound: bound.tokens) if bounds else None
+
+
+def validate_run(result: Any, *, row_id: Any, draw_index: int, vocab_size: int | None,
+                 limit: SequenceLimit | None = None) -> RolloutRun:
     """Check one rollout return against the contract; return it as a `RolloutRun`.
 
-    Raises `RolloutContractError` naming the row, draw, segment and field.
-    `None` is handled by the caller (a counted drop), never passed here.
+    Raises `RolloutContractError` naming the row, draw, segment and field. A segment longer than `limit` is
+    refused before any per-token check, so a huge one costs nothing. `None` is handled by the caller (a counted
+    drop), never passed here.
     """
     where = f"row {row_id!r} draw {draw_index}"
     if isinstance(result, RolloutSample):
@@ -145,7 +179,7 @@ def validate_run(result: Any, *, row_id: Any, draw_index: int, vocab_size: int |
             raise RolloutContractError(
                 f"{where} segment {segment_index}: segments holds {type(sample).__name__}, expected RolloutSample"
             )
-        _validate_sample(sample, f"{where} segment {segment_index}", vocab_size)
+        _validate_sample(sample, f"{where} segment {segment_index}", vocab_size, limit)
     first_reward = run.segments[0].reward
     for segment_index, sample in enumerate(run.segments[1:], start=1):
         if sample.reward != first_reward:
@@ -156,8 +190,12 @@ def validate_run(result: Any, *, row_id: Any, draw_index: int, vocab_size: int |
     return run
 
 
-def _validate_sample(sample: RolloutSample, where: str, vocab_size: int | None) -> None:
+def _validate_sample(sample: RolloutSample, where: str, vocab_size: int | None, limit: SequenceLimit | None) -> None:
     _check_lengths(sample, where)
+    if limit is not None and len(sample.tokens) > limit.tokens:
+        raise RolloutContractError(f"{where}: tokens has {len(sample.tokens)} entries, more than the {limit.tokens} "
+                                   f"the run can train ({limit.source}); shorten the rollout (sampling.max_tokens, "
+                                   "fewer turns) or drop the draw by returning None")
     _check_reward_and_finish(sample, where)
     _check_mask(sample.loss_mask, where)
     _check_tokens(sample.tokens, where, vocab_size)
@@ -167,12 +205,18 @@ def _validate_sample(sample: RolloutSample, where: str, vocab_size: int | None) 
 
 
 def _check_logprobs(values: list[float], name: str, loss_mask: list[int], where: str) -> None:
-    """Finite and <= 0 wherever the mask trains; other positions are not read."""
+    """Finite, <= 0 and >= MIN_LOGPROB wherever the mask trains; other positions are not read."""
     for i, (lp, m) in enumerate(zip(values, loss_mask)):
-        if m == 1 and not (isinstance(lp, (int, float)) and math.isfinite(lp)):
-            raise RolloutContractError(f"{where}: {name}[{i}] is {lp!r} at a trained position; expected finite")
-        if m == 1 and lp > 1e-6:
-            raise RolloutContractError(f"{where}: {name}[{i}] is {lp}, a log-probability must be <= 0")
+        if m != 1:
+            continue
+        if not _is_finite_number(lp):
+            raise RolloutContractError(f"{where}: {name}[{i}] is {_brief(lp)} at a trained position; expected finite")
+        if lp > 1e-6:
+            raise RolloutContractError(f"{where}: {name}[{i}] is {_brief(lp)}, a log-probability must be <= 0")
+        if lp < MIN_LOGPROB:
+            raise RolloutContractError(f"{where}: {name}[{i}] is {_brief(lp)} at a trained position, below "
+                                       f"{MIN_LOGPROB:g}: no sampler gives a token it sampled such a logprob (past "
+                                       "-3.4e38 the trainer's float32 holds it as -inf)")
 
 
 def _check_lengths(sample: RolloutSample, where: str) -> None:
@@ -185,11 +229,29 @@ def _check_lengths(sample: RolloutSample, where: str) -> None:
         raise RolloutContractError(f"{where}: tokens has {n} entries; a trainable sequence needs at least 2")
 
 
+def _is_finite_number(value: Any) -> bool:
+    """An int, or a float that is not inf or nan; asked without converting, which raises for an int past 1e308."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def _brief(value: Any) -> str:
+    """A number for a message: an int too long to print (Python refuses past 4300 digits) by its size."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an int of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return f"{value:g}" if isinstance(value, (int, float)) else repr(value)
+
+
 def _check_reward_and_finish(sample: RolloutSample, where: str) -> None:
     if not isinstance(sample.reward, (int, float)) or isinstance(sample.reward, bool):
         raise RolloutContractError(f"{where}: reward is {type(sample.reward).__name__}, expected a float")
-    if not math.isfinite(sample.reward):
-        raise RolloutContractError(f"{where}: reward is {sample.reward}, expected a finite float")
+    if not _is_finite_number(sample.reward):
+        raise RolloutContractError(f"{where}: reward is {_brief(sample.reward)}, expected a finite float")
+    if abs(sample.reward) > MAX_ABS_REWARD:
+        raise RolloutContractError(f"{where}: reward is {_brief(sample.reward)}, outside [-{MAX_ABS_REWARD:g}, "
+                                   f"{MAX_ABS_REWARD:g}]: beyond that the advantage arithmetic overflows; rescale "
+                                   "the reward")
     if not isinstance(sample.finish_reason, str):
         raise RolloutContractError(f"{where}: finish_reason is {sample.finish_reason!r}, expected a string")
 
