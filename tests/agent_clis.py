@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from real_engines import _exclusive
+from real_engines import exclusive_lock
 from training.examples.rl.cli_agent.clis import CLIS
 from training.utils.model import cache_dir
 
@@ -45,7 +45,7 @@ def installed_cli(name: str) -> Path:
     if (prefix / _COMPLETE).is_file():
         return executable
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(prefix.with_name(prefix.name + ".lock"), INSTALL_TIMEOUT_S):
+    with exclusive_lock(prefix.with_name(prefix.name + ".lock"), INSTALL_TIMEOUT_S):
         if not (prefix / _COMPLETE).is_file():  # another process may have installed it while this one waited
             _require_registry(spec)
             _install(spec, cli.package, prefix)

@@ -53,7 +53,7 @@ def vllm_venv() -> Path:
     if (venv / _COMPLETE).is_file():
         return venv
     venv.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(venv.with_name(venv.name + ".lock"), INSTALL_TIMEOUT_S):
+    with exclusive_lock(venv.with_name(venv.name + ".lock"), INSTALL_TIMEOUT_S):
         if (venv / _COMPLETE).is_file():  # another process installed it while this one waited
             return venv
         if not _installed(venv):
@@ -64,7 +64,9 @@ def vllm_venv() -> Path:
 
 
 @contextlib.contextmanager
-def _exclusive(path: Path, timeout_s: float) -> Iterator[None]:
+def exclusive_lock(path: Path, timeout_s: float) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (waiting up to `timeout_s`): one process installs into a cache
+    entry at a time, and a killed one leaves no lock behind."""
     with open(path, "w") as lock:
         deadline = time.monotonic() + timeout_s
         while True:
