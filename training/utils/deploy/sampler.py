@@ -203,8 +203,11 @@ class Sampler:
         )
 
     async def _wait_for_the_resume(self, where: str, deadline: float, last: str) -> None:
-        """Wait until the weight sync that paused the server resumes it, within the request's own timeout."""
+        """Wait until the weight sync that paused the server resumes it, within the request's own timeout (which also
+        bounds how often a request that keeps overlapping syncs is sent again)."""
         try:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise TimeoutError
             async with asyncio.timeout_at(deadline):
                 await self.gate.wait_open()
         except TimeoutError:
