@@ -16,38 +16,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the agent_cli tier's tiny model
 
+from agent_clis import save_long_context_tiny  # noqa: E402
 from training.examples.rl.cli_agent import task, train
 from training.examples.rl.cli_agent.clis import CLIS
 from training.examples.rl.cli_agent.rollout import make_rollout_fn
 from training.recipes import async_rl_loop
 from training.utils.config import SamplingConfig, TrainerConfig
 from training.utils.logging import read_ledger
-from training.utils.model import load_model_and_tokenizer, load_tokenizer
 
-CONTEXT_TOKENS = 131_072
 BUDGETS = {"8192 (old default)": 8192, "default (4 x context)": None}
 KEYS = ("perf/prompt_tokens", "perf/engine_prefill_tokens", "perf/prefix_cache_hit_tokens")
-
-
-def tiny_model(directory: Path) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer and chat template and a 128k context, saved to `directory`."""
-    from transformers import LlamaConfig
-
-    tokenizer = load_tokenizer("smollm2-135m-instruct")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT_TOKENS,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    model, _ = load_model_and_tokenizer(config, device="cpu")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 def steps_with(budget: int | None, model_dir: Path, run_dir: Path, extras: dict, steps: int) -> list[dict]:
@@ -69,7 +53,7 @@ def main() -> None:
     extras = {"agent": args.agent, "agent_bin": args.agent_bin, "agent_timeout_s": 300}
     results = {}
     with tempfile.TemporaryDirectory(prefix="cli-agent-prefix-cache-") as scratch:
-        model_dir = tiny_model(Path(scratch, "model"))
+        model_dir = save_long_context_tiny(Path(scratch, "model"))
         for label, budget in BUDGETS.items():
             results[label] = steps_with(budget, model_dir, Path(scratch, f"run-{budget}"), extras, args.steps)
     for label, per_step in results.items():

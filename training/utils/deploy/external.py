@@ -112,11 +112,9 @@ async def connect_external_deployment(
             if kind.check is not None:
                 await kind.check(admin, sampler, tokenizer)
             sync_class = await _weight_sync_class(kind, cfg, admin, lora)
-            weight_sync, own_dir = await _connect_weight_sync(sync_class, cfg, base_url, model_config)
-            if isinstance(weight_sync, ExternalWeightSync):
-                weight_sync.serving_gate = sampler.gate  # requests turned away during a sync wait for its resume
-            if isinstance(weight_sync, VLLMLoRASync):
-                model_name = sampler.model_name = weight_sync.adapter_name  # served once the first sync loads it
+            weight_sync, own_dir = await _connect_weight_sync(sync_class, cfg, base_url, model_config, sampler)
+            if weight_sync.served_name is not None:  # served once the first sync (before any rollout) loads it
+                model_name = sampler.model_name = weight_sync.served_name
         except BaseException:
             await sampler.close()
             raise
@@ -144,9 +142,10 @@ async def _weight_sync_class(
 
 
 async def _connect_weight_sync(
-    sync_class: type[ExternalWeightSync] | None, cfg: DeploymentConfig, base_url: str, model_config
+    sync_class: type[ExternalWeightSync] | None, cfg: DeploymentConfig, base_url: str, model_config, sampler: Sampler
 ) -> tuple[WeightSync, Path | None]:
-    """The initialised weight sync `cfg.weight_sync` names, and the weight directory it created (if any)."""
+    """The initialised weight sync `cfg.weight_sync` names, and the weight directory it created (if any); it closes
+    `sampler`'s gate while it holds the server paused."""
     if cfg.weight_sync == "none":
         logger.warning("deployment.weight_sync='none': %s keeps its initial weights; trained updates never "
                        "reach the sampler", base_url)
@@ -158,7 +157,7 @@ async def _connect_weight_sync(
         weight_sync = sync_class(
             base_url, transport=cfg.weight_sync, directory=directory, model_config=model_config,
             api_key=cfg.api_key, timeout_s=cfg.weight_sync_timeout_s, inflight_on_sync=cfg.inflight_on_sync,
-            master_address=cfg.nccl_master_address, master_port=cfg.nccl_master_port,
+            master_address=cfg.nccl_master_address, master_port=cfg.nccl_master_port, serving_gate=sampler.gate,
         )
         await weight_sync.init()
     except BaseException:

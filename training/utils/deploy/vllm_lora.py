@@ -104,7 +104,7 @@ class VLLMLoRASync(VLLMWeightSync):
     def __init__(self, base_url: str, *, adapter_name: str = ADAPTER_NAME, keep_last: int = 1, **kwargs):
         kwargs.pop("transport", None)
         super().__init__(base_url, transport="disk", keep_last=keep_last, **kwargs)
-        self.adapter_name = adapter_name
+        self.served_name = adapter_name
         self._steps = AdapterDirectories(self.directory, keep_last)
 
     def _hint(self) -> str:
@@ -123,7 +123,7 @@ class VLLMLoRASync(VLLMWeightSync):
     async def _load_from_disk(self, admin: AdminClient, path: Path, version: int) -> None:
         link = self.directory / LINK
         await asyncio.to_thread(point_link, link, path)
-        await admin.post("/v1/load_lora_adapter", {"lora_name": self.adapter_name, "lora_path": str(link),
+        await admin.post("/v1/load_lora_adapter", {"lora_name": self.served_name, "lora_path": str(link),
                                                    "load_inplace": True}, hint=START_FLAGS)
         reply = await admin.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
         if not (isinstance(reply, dict) and reply.get("success")):

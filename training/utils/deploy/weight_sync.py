@@ -89,6 +89,10 @@ class StepDirectories:
 class WeightSync:
     """Base class: `sync` pushes weights and returns metrics; `version` is the last synced version."""
 
+    served_name: str | None = None
+    """The model name requests must give once a sync has loaded the weights (a LoRA adapter's own name); None:
+    the name the server serves its model under."""
+
     def __init__(self, version: int = 0):
         self.version = version
 
@@ -197,6 +201,7 @@ class ExternalWeightSync(WeightSync):
         broadcaster: NCCLBroadcaster | None = None,
         master_address: str | None = None,
         master_port: int = 0,
+        serving_gate: ServingGate | None = None,
     ):
         super().__init__(0)
         if transport not in ("disk", "nccl"):
@@ -215,9 +220,9 @@ class ExternalWeightSync(WeightSync):
         self.master_port = int(master_port)
         self._steps = StepDirectories(self.directory, keep_last) if self.directory is not None else None
         self._ready = False
-        self.serving_gate = ServingGate()
-        """Closed from the pause to the resume of each sync; the deployment hands it its sampler's gate, so requests
-        the paused server turns away wait for the resume (`sampler.ServingGate`)."""
+        self.serving_gate = serving_gate or ServingGate()
+        """Closed from the pause to the resume of each sync: the deployment's sampler's gate, so requests the paused
+        server turns away wait for the resume (`sampler.ServingGate`)."""
 
     def _admin(self) -> AdminClient:
         return AdminClient(self.base_url, self.api_key, self.timeout_s)

@@ -108,8 +108,11 @@ class ChatFormat:
 
     def render(self, request: ChatRequest) -> list[int]:
         """Prompt ids ending in the generation prompt, encoded as `ChatAssembler` encodes a first turn."""
-        text = self.render_text(self.template_messages(request), tools=self.tools_for_template(request))
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(self.prompt_text(request), add_special_tokens=False)
+
+    def prompt_text(self, request: ChatRequest) -> str:
+        """The whole request rendered as text, ending in the generation prompt (what `render` encodes)."""
+        return self.render_text(self.template_messages(request), tools=self.tools_for_template(request))
 
     def render_text(
         self, messages: list[dict], *, tools: list[dict] | None = None, generation_prompt: bool = True

@@ -195,7 +195,7 @@ def prepare_turn(session: ShimSession, chat: ChatRequest, token_bytes: int, cont
 def _rendered_within_context(chat_format: ChatFormat, chat: ChatRequest, token_bytes: int,
                              context_tokens: int | None) -> str:
     """The prompt rendered as text; an `EstimatedOverflowError` when its length alone cannot fit `context_tokens`."""
-    text = chat_format.render_text(chat_format.template_messages(chat), tools=chat_format.tools_for_template(chat))
+    text = chat_format.prompt_text(chat)
     if context_tokens:
         size = _utf8_length(text)
         _refuse_past_context("rendered prompt", size, -(-size // token_bytes), token_bytes, context_tokens)
