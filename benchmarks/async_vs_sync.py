@@ -53,10 +53,10 @@ from training.recipes import async_rl_loop, rl_loop
 from training.utils.config import SamplingConfig, TrainerConfig
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer
-from training.utils.rl.rollout.types import sample_from_completion
-from training.utils.rl.train_step import train_batch
+from training.utils.rl.rollout.types import RolloutRun, make_prompt_group, sample_from_completion
+from training.utils.rl.train_step import KLCoefficient, train_batch
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
-from training.utils.trainer import Datum, Trainer
+from training.utils.trainer import Trainer
 
 
 def parse_args() -> argparse.Namespace:
@@ -111,16 +111,20 @@ def calibrate_train_time(model_dir: str, args) -> float:
     model, _ = load_model_and_tokenizer(model_dir)
     cfg = rl_loop.Config(model=model_dir, sampling=SamplingConfig(max_tokens=args.max_tokens))
     policy = Trainer(model, TrainerConfig(learning_rate=1e-4))
-    length = args.prompt_len + args.max_tokens
-    datums = [
-        Datum(list(range(5, 5 + length - 1)), list(range(6, 5 + length)),
-              [0.0] * (args.prompt_len - 1) + [1.0] * args.max_tokens, [-1.0] * (length - 1), 1.0, args.prompt_len)
-        for _ in range(args.groups * args.group_size)
+    prompt = list(range(5, 5 + args.prompt_len))
+    output = list(range(5, 5 + args.max_tokens))
+    groups = [
+        make_prompt_group(f"row{g}", [
+            RolloutRun([sample_from_completion(prompt, output, [-1.0] * args.max_tokens, reward=float(d % 2))])
+            for d in range(args.group_size)
+        ])
+        for g in range(args.groups)
     ]
+    kl = KLCoefficient.for_run(cfg, {})
     times = []
     for _ in range(6):
         start = time.perf_counter()
-        train_batch(policy, None, datums, cfg, np.random.default_rng(0))
+        train_batch(policy, None, groups, cfg, np.random.default_rng(0), kl)
         times.append(time.perf_counter() - start)
     # The fastest repeat: on a shared machine a busy moment only ever makes a repeat slower.
     return min(times[1:])

@@ -50,28 +50,33 @@ def useful_tokens(output_ids: list[int], eos: int | None) -> int:
 async def bench_engine(model, tokenizer, prompts, max_tokens: int, with_sync: bool, decode_steps: str) -> dict:
     """Time the same prompts through `Engine.generate` directly and through the HTTP sampler."""
     cfg = DeploymentConfig(max_batch_requests=len(prompts), decode_steps=decode_steps)
-    dep = await start_embedded_deployment(
-        copy.deepcopy(model), tokenizer, cfg, model_name="bench", sampling_timeout_s=3600
-    )
-    try:
-        await dep.sampler.sample(prompts[0], max_tokens=2)  # warm-up
-        out = {}
-        start = time.perf_counter()
-        results = await asyncio.gather(*[dep.engine.generate(p, max_tokens=max_tokens) for p in prompts])
-        out["engine"] = {"tokens": sum(len(c.output_ids) for (c,) in results), "seconds": time.perf_counter() - start}
-        start = time.perf_counter()
-        results = await asyncio.gather(*[dep.sampler.sample(p, max_tokens=max_tokens) for p in prompts])
-        out["http"] = {"tokens": sum(len(c.output_ids) for (c,) in results), "seconds": time.perf_counter() - start}
-        out["decode_stats"] = dict(dep.engine.stats)
-        if with_sync:
-            state = model.state_dict()
-            out["in_process_sync"] = await dep.weight_sync.sync(state, 1)
-            out["bare_copy"] = bare_copy_seconds(state, next(dep.engine.model.parameters()).dtype)
-            with tempfile.TemporaryDirectory() as tmp:
-                out["disk_sync"] = await DiskWeightSync(dep.base_url, tmp, dep.api_key).sync(state, 2)
-        return out
-    finally:
-        await dep.close()
+    with tempfile.TemporaryDirectory() as weight_dir:  # the only directory the server loads weights from
+        dep = await start_embedded_deployment(
+            copy.deepcopy(model), tokenizer, cfg, model_name="bench", sampling_timeout_s=3600, weight_dir=weight_dir
+        )
+        try:
+            return await time_deployment(dep, model, prompts, max_tokens, with_sync, weight_dir)
+        finally:
+            await dep.close()
+
+
+async def time_deployment(dep, model, prompts, max_tokens: int, with_sync: bool, weight_dir: str) -> dict:
+    """Engine tokens/s, then the same prompts over HTTP, then (with `with_sync`) the weight syncs."""
+    await dep.sampler.sample(prompts[0], max_tokens=2)  # warm-up
+    out = {}
+    start = time.perf_counter()
+    results = await asyncio.gather(*[dep.engine.generate(p, max_tokens=max_tokens) for p in prompts])
+    out["engine"] = {"tokens": sum(len(c.output_ids) for (c,) in results), "seconds": time.perf_counter() - start}
+    start = time.perf_counter()
+    results = await asyncio.gather(*[dep.sampler.sample(p, max_tokens=max_tokens) for p in prompts])
+    out["http"] = {"tokens": sum(len(c.output_ids) for (c,) in results), "seconds": time.perf_counter() - start}
+    out["decode_stats"] = dict(dep.engine.stats)
+    if with_sync:
+        state = model.state_dict()
+        out["in_process_sync"] = await dep.weight_sync.sync(state, 1)
+        out["bare_copy"] = bare_copy_seconds(state, next(dep.engine.model.parameters()).dtype)
+        out["disk_sync"] = await DiskWeightSync(dep.base_url, weight_dir, dep.api_key).sync(state, 2)
+    return out
 
 
 def bare_copy_seconds(state: dict[str, torch.Tensor], dtype: torch.dtype) -> float:

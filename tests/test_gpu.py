@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 VOCAB = 260
 
 
-def tiny_on_cuda(dtype=torch.float32):
+def tiny_on_cuda(dtype=torch.float32, **shape):
     torch.manual_seed(0)
-    config = tiny_config(VOCAB)
+    config = tiny_config(VOCAB, **shape)
     config.initializer_range = 0.3  # peaked logits: clear argmax gaps, so greedy is robust to kernel choice
     model, tokenizer = load_model_and_tokenizer(config, device="cuda", dtype=dtype)
     with torch.no_grad():
@@ -119,9 +119,16 @@ def test_weights_synced_in_process_reach_the_captured_steps():
     assert after.versions == [1] * 30
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+FLEX_FP32_SHORT_QUERIES = pytest.mark.xfail(
+    strict=True, raises=torch._inductor.exc.InductorError,
+    reason="torch 2.11 on an H200: inductor has no flex-decoding kernel choice for these float32 short queries "
+           "(NoValidChoicesError); strict, so a torch that fixes it turns this into a failure to remove the mark")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("flex_attention", marks=FLEX_FP32_SHORT_QUERIES)])
 def test_packed_sequences_match_padded_on_cuda(attn):
-    model, _ = tiny_on_cuda()
+    # Head dim 64, as real models have: inductor's flex kernels have no configuration for the tiny model's 16.
+    model, _ = tiny_on_cuda(hidden_size=256, num_heads=4)
     model.set_attn_implementation(attn)
     g = torch.Generator().manual_seed(2)
     datums = []
