@@ -235,6 +235,19 @@ class RLConfig(StrictModel):
     agent_shim: AgentShimConfig = Field(default_factory=AgentShimConfig)
     """The agent shim black-box agents call as their model endpoint; off unless `agent_shim.enabled`."""
 
+    # -- memory ------------------------------------------------------------------------------
+    memory_budget_gib: FiniteFloat | None = Field(None, gt=0)
+    """The most memory the training process may take, in GiB (2^30 bytes, the unit of the `mem/*` metrics). At
+    start-up, once the trainers are built and before any training, the run's needs are estimated: the process as
+    measured then (Python, torch, the policy's weights and a reference copy), gradients and AdamW state, the
+    embedded engine's weights, a KV cache of `deployment.max_batch_requests` rows of the longest context it serves
+    (`deployment.max_context_tokens`), the prefix cache's bound, and a training micro-batch's activations and logits.
+    Over budget, the prefix cache's bound is lowered first (to one context's keys/values at the least), then
+    `trainer.max_tokens_per_microbatch` (to 256 at the least), and the choice is logged; what still does not fit
+    stops the run with a `ConfigError` naming the estimate's biggest parts and the settings to change. On a GPU the
+    estimate counts device memory alike. What it cannot see (memory the allocator holds freed, a datum longer than
+    the micro-batch budget) shows in each step's `mem/*` metrics. None: no budget and no check."""
+
     # -- observability ------------------------------------------------------------------------
     eval_interval: int = Field(0, ge=0)
     """Call `main()`'s `evaluation_fn` every this many steps; it always runs before the first and after

@@ -86,8 +86,15 @@ class DeploymentConfig(StrictModel):
     long (a CLI agent's system prompt and tool schemas alone run to 7k-20k tokens), so the default scales with
     the longest prompt the deployment can be sent, with room for a few rows and sessions at once. Only what is
     cached takes memory: a token costs 2 x layers x KV heads x head dim x dtype bytes, 46 KB for SmolLM2-135M in
-    float32, 12 KB for Qwen2.5-0.5B in bfloat16; set a number to cap it (docs/engine-decode-loop.md: Prefix
-    cache)."""
+    float32, 12 KB for Qwen2.5-0.5B in bfloat16; set a number to cap it, and `prefix_cache_bytes` bounds its memory
+    whatever a token costs (docs/engine-decode-loop.md: Prefix cache)."""
+    prefix_cache_bytes: int | None = Field(None, ge=0)
+    """Bytes of keys/values the prefix cache holds at most, besides `prefix_cache_tokens`; least recently used
+    entries leave first, and a sequence larger than the bound is not kept; 0 turns the cache off. None: 512 MiB, or
+    one context's keys/values where that is more, so the longest prompt the deployment serves still fits. A token's
+    count hides its size (SmolLM2-135M's costs 46 KB in float32, Qwen2.5-0.5B's 12 KB in bfloat16), so this is the
+    bound that says what the cache may take of a laptop's memory: for SmolLM2 in float32 the default is about a
+    third of four contexts (1.4 GiB), still nearly a context and a half. `memory_budget_gib` lowers it to fit."""
     max_context_tokens: int | None = Field(None, gt=0)
     """Longest prompt + completion served; defaults to the model's `max_position_embeddings`."""
     weight_sync_timeout_s: FiniteFloat = Field(600.0, gt=0)

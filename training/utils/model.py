@@ -12,9 +12,9 @@ Four sources:
 - `tiny-random` or a `PretrainedConfig`: a randomly initialized model for tests, paired
   with the byte-level test tokenizer from `training.utils.tiny_model`.
 
-GGUF weights are quantized (Q4_1); transformers de-quantizes them on load, which is slow on a
-CPU, so the converted model is cached as safetensors under `$TRAINING_CACHE_DIR` (default
-`~/.cache/training`) and later loads read those directly.
+GGUF weights are quantized (Q4_1): the first load converts the file once (`training.utils.gguf_convert`) into
+a Hugging Face directory of float32 safetensors under `$TRAINING_CACHE_DIR` (default `~/.cache/training`), and
+later loads read that directly.
 """
 
 from __future__ import annotations
@@ -193,32 +193,19 @@ def _converted_smollm2_dir() -> Path:
     source = f"{gguf} {gguf.stat().st_size}"
     if stamp.is_file() and stamp.read_text() == source:
         return target
-    # Building the plain model initializes weights at random before they are overwritten: without its own
-    # RNG the first run on a machine would sample differently from every later run with the same seed.
+    # The conversion builds a model (on the meta device) with library code free to draw from the global RNG: without
+    # its own RNG the first run on a machine could sample differently from every later run with the same seed.
     with torch.random.fork_rng(devices=[]):
         _convert_smollm2(gguf, target, source)
     return target
 
 
 def _convert_smollm2(gguf: Path, target: Path, source: str) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from training.utils.gguf_convert import convert_gguf
 
     set_offline()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
-    )
-    # The GGUF-loaded model carries a quantizer that refuses to serialize even though its
-    # weights are already de-quantized floats: rebuild a plain model and save that.
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.generation_config = model.generation_config
     tmp = target.with_name(target.name + ".tmp")
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    convert_gguf(gguf, tmp)
     (tmp / "source.txt").write_text(source)
     if target.exists():
         import shutil

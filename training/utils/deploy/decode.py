@@ -197,7 +197,9 @@ class KVBatch:
             position_ids=positions,
             **cache_kwarg(model, batch.cache),
             use_cache=True,
-            logits_to_keep=1,
+            # The last column as an index tensor, not `logits_to_keep=1`: the int form hands lm_head a strided
+            # (P, 1, H) slice, and torch's matmul then expands and copies the (H, V) weight once per row.
+            logits_to_keep=torch.tensor([width - 1], device=device),
         )
         # Pad columns never take part in attention, but a masked weight of 0 times a NaN value
         # is still NaN, so make sure whatever attention produced at pad positions is finite.
@@ -221,6 +223,16 @@ class KVBatch:
     @property
     def column_capacity(self) -> int:
         return self.mask_buf.shape[1]
+
+    def reserved_bytes(self) -> int:
+        """Bytes of every layer's key/value buffers, spare rows and columns included (layers built from cached
+        prefixes are views that split one buffer, so their sizes add up to it)."""
+        return sum(layer.keys_buf.nbytes + layer.values_buf.nbytes for layer in self.layers)
+
+    def token_bytes(self) -> int:
+        """Bytes of one row's keys and values at one column, over every layer: the live part is B x L of them."""
+        return sum(2 * layer.keys_buf.shape[1] * layer.keys_buf.shape[3] * layer.keys_buf.element_size()
+                   for layer in self.layers)
 
     def ensure_capacity(self, columns: int) -> None:
         """Grow every buffer so that `columns` columns fit (called before a decode step)."""

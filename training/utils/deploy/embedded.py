@@ -42,6 +42,9 @@ class EmbeddedDeployment(DeploymentHandle):
         """A snapshot of the engine's cumulative counters (`Engine.stats`), as floats."""
         return {key: float(value) for key, value in self.engine.stats.copy().items()}
 
+    def memory_stats(self) -> dict[str, int]:
+        return self.engine.memory_stats()
+
     async def _stop_server(self, timeout: float) -> None:
         try:
             # The engine thread (joined with a timeout): unfinished requests end with finish_reason

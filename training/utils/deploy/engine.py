@@ -26,12 +26,14 @@ from training.utils.config import DeploymentConfig
 from training.utils.deploy.admission import PREFILL_SPLIT_COST_TOKENS, admit, split_by_length
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.decode import KVBatch, usable_prefix_lengths
+from training.utils.deploy.engine_memory import EngineMemory
 from training.utils.deploy.engine_weights import WeightTargets, read_safetensors
 from training.utils.deploy.graphs import decode_steps_for
 from training.utils.deploy.next_token import SamplingParams_B, sample_next
-from training.utils.deploy.prefix_cache import PrefixCache, prefix_cache_budget
+from training.utils.deploy.prefix_cache import PrefixCache, prefix_cache_bounds
 from training.utils.deploy.sequences import SequenceGroup, SequenceState, make_group, sampling_params
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
+from training.utils.memory import kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +94,11 @@ class Engine:
         self._rows: list[SequenceState] = []
         self._params_B: SamplingParams_B | None = None
         self._split_cost_tokens = PREFILL_SPLIT_COST_TOKENS if self.model.device.type == "cpu" else None
-        budget = prefix_cache_budget(cfg.prefix_cache_tokens, self.max_context_tokens)
-        self._prefix_cache = PrefixCache(budget) if budget else None
+        max_tokens, max_bytes = prefix_cache_bounds(cfg.prefix_cache_tokens, cfg.prefix_cache_bytes,
+                                                    self.max_context_tokens,
+                                                    kv_bytes_per_token(model.config, self.model.dtype))
+        self._prefix_cache = PrefixCache(max_tokens, max_bytes) if max_tokens and max_bytes else None
+        self._memory = EngineMemory(self.model)
         # Cumulative; prompt_tokens = prefill_tokens + prefix_cache_hit_tokens (a request's prompt counts once).
         self.stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0, "weight_updates": 0,
                       "prompt_tokens": 0, "prefill_tokens": 0, "prefix_cache_hit_tokens": 0,
@@ -117,6 +122,11 @@ class Engine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._closing
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes the engine holds (`EngineMemory.stats`): `weights`, `kv_cache_reserved` and `kv_cache_used` at
+        their most since the previous call, `prefix_cache` now. Callable from any thread."""
+        return self._memory.stats(self._batch, self._prefix_cache)
 
     async def generate(
         self,
@@ -375,6 +385,7 @@ class Engine:
                                                      for p, gs, u in zip(prompts, groups_U, used))
 
     def _decode(self) -> None:
+        self._memory.note(self._batch)  # before finished rows leave: the most the batch holds this step
         tokens = torch.tensor([seq.output_ids[-1] for seq in self._rows], device=self.model.device)
         if self._steps is not None:
             logits = self._steps.step(self._batch, tokens)

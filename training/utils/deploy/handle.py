@@ -1,6 +1,6 @@
 """What every deployment hands the recipes, embedded or external: `base_url`, `api_key`, `model_name`,
-`sampler`, `weight_sync`, `version`, `context_tokens`, `syncs_at_start`, `engine_stats()` and `close()`, and the
-temporary weight directory it may own."""
+`sampler`, `weight_sync`, `version`, `context_tokens`, `syncs_at_start`, `engine_stats()`, `memory_stats()` and
+`close()`, and the temporary weight directory it may own."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ class DeploymentHandle:
     def engine_stats(self) -> dict[str, float]:
         """The engine's cumulative counters (`Engine.stats`: `prompt_tokens`, `prefill_tokens`,
         `prefix_cache_hit_tokens`, `prefill_time_s`, `decode_time_s`, ...); {} where the deployment reports none."""
+        return {}
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes the embedded engine holds (`Engine.memory_stats`: `weights`, `kv_cache_reserved` and
+        `kv_cache_used` at their most since the previous call, `prefix_cache`); {} where the deployment reports
+        none (an external server's memory is its own)."""
         return {}
 
     async def close(self, timeout: float = 30.0) -> None:

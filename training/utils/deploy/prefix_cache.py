@@ -33,11 +33,19 @@ is never kept, so a budget below one context would serve nothing to an agent who
 for a few, a row's later draws and each session's next turn find their prefix even while other rows' prompts
 come and go. Memory is spent only on what is cached: a step of short prompts fills little of it."""
 
+DEFAULT_MAX_BYTES = 512 << 20
+"""Bytes the default cache holds at most (`deployment.prefix_cache_bytes=None`, whose docstring says why), unless
+one context's keys/values take more: then that, so the longest prompt still fits."""
 
-def prefix_cache_budget(configured: int | None, context_tokens: int) -> int:
-    """Tokens the engine's prefix cache may hold: `configured` when set (0 turns the cache off), else
-    `CONTEXTS_KEPT` prompts of the context served."""
-    return CONTEXTS_KEPT * int(context_tokens) if configured is None else int(configured)
+
+def prefix_cache_bounds(tokens: int | None, max_bytes: int | None, context_tokens: int,
+                        token_bytes: int) -> tuple[int, int]:
+    """(tokens, bytes) the engine's prefix cache may hold; the cache is off when either is 0. `tokens`: as set, or
+    `CONTEXTS_KEPT` prompts of the context served; `max_bytes`: as set, or `DEFAULT_MAX_BYTES` but at least one
+    context's keys/values (`token_bytes` a token)."""
+    token_bound = CONTEXTS_KEPT * int(context_tokens) if tokens is None else int(tokens)
+    byte_bound = max(DEFAULT_MAX_BYTES, int(context_tokens) * token_bytes) if max_bytes is None else int(max_bytes)
+    return token_bound, byte_bound
 
 
 @dataclass(eq=False)
@@ -65,14 +73,20 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class PrefixCache:
-    """Keys/values of token sequences, at most `max_tokens` tokens in all, least recently used evicted first.
+    """Keys/values of token sequences, at most `max_tokens` tokens and `max_bytes` bytes in all (None: no byte
+    bound), least recently used evicted first.
 
-    Owned by the engine thread (not thread-safe).
+    Owned by the engine thread (not thread-safe); `num_bytes` may be read from any thread.
     """
 
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, max_bytes: int | None = None):
         self.max_tokens = int(max_tokens)
+        self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.num_tokens = 0
+        self.num_bytes = 0
+        """Bytes of the keys/values held, counted as entries come and go (one int: a read from another thread is
+        whole)."""
+        self._token_bytes = 0  # keys/values of one token, known from the first entry: skips copying what cannot fit
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._by_block: dict[int, set[int]] = {}  # block hash -> entries holding that prefix
         self._by_end: dict[int, set[int]] = {}  # hash of an entry's last full block -> those entries
@@ -102,8 +116,9 @@ class PrefixCache:
 
     def add(self, tokens: Sequence[int], read_kv: Callable[[], torch.Tensor]) -> None:
         """Keep the keys/values of `tokens`, (layers, 2, H, len(tokens), D), which `read_kv()` copies out (called
-        only if they are kept: not when an entry holds them already); entries that `tokens` extends are dropped."""
-        if not BLOCK_TOKENS <= len(tokens) <= self.max_tokens:
+        only if they are kept: not when an entry holds them already); entries that `tokens` extends are dropped.
+        A sequence longer than either bound is not kept, and evicts nothing."""
+        if not BLOCK_TOKENS <= len(tokens) <= self.max_tokens or not self._fits(len(tokens) * self._token_bytes):
             return
         array = np.asarray(tokens, dtype=np.int64)
         hashes = block_hashes(tokens)
@@ -111,17 +126,22 @@ class PrefixCache:
             if common_prefix(self._entries[eid].tokens, array) == len(array):
                 self._entries.move_to_end(eid)  # one of them already holds all of `tokens`
                 return
+        kv = read_kv()
+        self._token_bytes = kv.nbytes // len(array)
+        if not self._fits(kv.nbytes):
+            return
         for eid in {eid for h in hashes for eid in self._by_end.get(h, ())}:  # entries that may be our prefixes
             entry = self._entries[eid]
             if common_prefix(entry.tokens, array) == len(entry.tokens):
                 self._remove(eid)
         eid = next(self._ids)
-        self._entries[eid] = _Entry(array, read_kv(), hashes)
+        self._entries[eid] = _Entry(array, kv, hashes)
         for h in hashes:
             self._by_block.setdefault(h, set()).add(eid)
         self._by_end.setdefault(hashes[-1], set()).add(eid)
         self.num_tokens += len(array)
-        while self.num_tokens > self.max_tokens:
+        self.num_bytes += kv.nbytes
+        while self.num_tokens > self.max_tokens or not self._fits(self.num_bytes):
             self._remove(next(iter(self._entries)))
 
     def clear(self) -> None:
@@ -129,6 +149,10 @@ class PrefixCache:
         self._by_block.clear()
         self._by_end.clear()
         self.num_tokens = 0
+        self.num_bytes = 0
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.max_bytes is None or nbytes <= self.max_bytes
 
     def _remove(self, eid: int) -> None:
         entry = self._entries.pop(eid)
@@ -136,6 +160,7 @@ class PrefixCache:
             _discard(self._by_block, h, eid)
         _discard(self._by_end, entry.hashes[-1], eid)
         self.num_tokens -= len(entry.tokens)
+        self.num_bytes -= entry.kv.nbytes
 
 
 def _discard(index: dict[int, set[int]], key: int, eid: int) -> None:

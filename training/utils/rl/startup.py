@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from training.utils.checkpoint import load_latest_verified, load_weights
-from training.utils.config import RLConfig
+from training.utils.config import DeploymentConfig, RLConfig
 from training.utils.deploy import Deployment, start_deployment
 from training.utils.errors import ConfigError
 from training.utils.lora import load_adapter
@@ -64,9 +64,11 @@ def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference 
     return policy, reference, tokenizer, identity
 
 
-async def deploy_policy(cfg: RLConfig, worker, policy: Trainer, tokenizer) -> Deployment:
-    """`cfg.deployment` started on (a copy of) the policy's weights, exported on the trainer's `worker`."""
-    return await start_deployment(await worker.run(policy.model_for_inference), tokenizer, cfg.deployment,
+async def deploy_policy(cfg: RLConfig, deployment_cfg: DeploymentConfig, worker, policy: Trainer,
+                        tokenizer) -> Deployment:
+    """`deployment_cfg` (`cfg.deployment`, fitted to `memory_budget_gib` by `memory_budget.fit_memory_budget`)
+    started on (a copy of) the policy's weights, exported on the trainer's `worker`."""
+    return await start_deployment(await worker.run(policy.model_for_inference), tokenizer, deployment_cfg,
                                   model_name=cfg.model, sampling_timeout_s=cfg.sampling.timeout_s)
 
 

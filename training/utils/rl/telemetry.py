@@ -19,6 +19,13 @@ The deployment's engine counters since the previous step (`EngineCounters`, from
 `prefix_cache_hit_tokens` (the part reused; the two add up to `prompt_tokens`), and the engine
 thread's `engine_prefill_time` / `engine_decode_time`. External servers report none of them, so none is logged.
 
+Utilisation (`Utilisation`, formulas in docs/metrics.md): the trainers' model FLOPs of the step (`Trainer.flops`)
+over `train_time` and the peak of their compute dtype (`trainer_mfu`, `trainer_tflops`); the engine's prefill
+FLOPs over its prefill time and the peak of its dtype (`engine_prefill_mfu`); its decode rate beside the bound the
+memory bandwidth sets (`engine_decode_tokens_per_s`, `engine_decode_bound_tokens_per_s`). The peaks come from
+`machine_peak`, measured once per machine and cached. At the end of a run, `Utilisation.summary_text()`: where the
+step time went, and the run's mean utilisation.
+
 `rollout/inference_drift_k1|k3`: how far the distribution the engine sampled from (`logprobs`, μ)
 is from its raw one (`raw_logprobs`, before temperature and top-p/top-k; ρ), on the trained tokens
 of the runs that report raw logprobs.
@@ -26,12 +33,22 @@ of the runs that report raw logprobs.
 
 from __future__ import annotations
 
+import logging
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from training.utils.deploy import Deployment
+from training.utils import machine_peak
+from training.utils.config import DeploymentConfig
+from training.utils.deploy import Deployment, engine_dtype
+from training.utils.flops import cached_forward_flops
+from training.utils.model import default_device
 from training.utils.rl.rollout.types import PromptGroup, RolloutRun
+from training.utils.rl.train_step import PHASES
+from training.utils.trainer import Reference, Trainer, compute_dtype
+
+log = logging.getLogger("training")
 
 ENGINE_COUNTERS = {
     "prompt_tokens": "perf/prompt_tokens",
@@ -113,3 +130,134 @@ class EngineCounters:
         metrics = {name: now[key] - self.last.get(key, 0.0) for key, name in ENGINE_COUNTERS.items()}
         self.last = now
         return metrics
+
+
+STEP_PARTS = ("rollout_wait", "train", "weight_sync")
+"""The parts of a step the summary shares its time among (`perf/<part>_time`); the trainer's phases (`PHASES`)
+are parts of `train`."""
+
+
+@dataclass
+class Utilisation:
+    """Each step's utilisation of the machine (`perf/trainer_mfu`, `perf/engine_*`), from the growth of cumulative
+    counters since the previous step, and the run's totals for its summary.
+
+    Made at the run's start-up, before any rollout competes with the probe: it has the machine's peaks measured
+    there (`machine_peak.machine_peaks`, cached per machine). The trainer's and engine's dtypes are read at the
+    first step.
+    """
+
+    startup_peaks: dict[str, machine_peak.Measurement] = field(
+        default_factory=lambda: machine_peak.machine_peaks(default_device()))
+    """The machine's peaks measured (or read from the cache) at start-up, so no step's lookup probes."""
+    last: dict[str, float] = field(default_factory=dict)
+    """The cumulative counters at the previous step: the trainers' FLOPs, the engine's `engine_stats()`."""
+    totals: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Sums over the run: the step's `perf/*_time` parts, and the FLOPs, seconds and tokens the means divide."""
+    steps: int = 0
+    peaks: dict[str, float] = field(default_factory=dict)
+    """FLOP/s of the trainer's and of the engine's dtype, and the bandwidth in bytes/s; resolved at the first step."""
+    dtypes: dict[str, str] = field(default_factory=dict)
+    """The trainer's and the engine's compute dtype, by name."""
+    engine_weight_bytes: float = 0.0
+
+    def step_metrics(self, metrics: dict, policy: Trainer, reference: Reference | None, deployment: Deployment,
+                     deployment_cfg: DeploymentConfig) -> dict[str, float]:
+        """The step's utilisation metrics; `metrics` holds its `perf/*_time` (none but the step's without a trained
+        group)."""
+        if not self.peaks:
+            self._resolve(policy, deployment_cfg)
+        self.steps += 1
+        for part in ("step", *STEP_PARTS, *PHASES):
+            self.totals[part] += metrics.get(f"perf/{part}_time", 0.0)
+        return self._trainer(metrics.get("perf/train_time", 0.0), policy, reference) | self._engine(deployment,
+                                                                                                   policy)
+
+    def _resolve(self, policy: Trainer, deployment_cfg: DeploymentConfig) -> None:
+        dtypes = {"trainer": compute_dtype(policy.precision), "engine": engine_dtype(deployment_cfg, policy.device)}
+        self.dtypes = {name: str(dtype).removeprefix("torch.") for name, dtype in dtypes.items()}
+        self.peaks = {name: machine_peak.peak_flops(policy.device, dtype).value for name, dtype in dtypes.items()}
+        self.peaks["bandwidth"] = machine_peak.memory_bandwidth(policy.device).value
+        # A decode step reads every weight once: the policy's parameters, in the engine's dtype.
+        self.engine_weight_bytes = float(sum(p.numel() for p in policy.model.parameters()) * dtypes["engine"].itemsize)
+
+    def _grown(self, name: str, value: float) -> float:
+        grown, self.last[name] = value - self.last.get(name, 0.0), value
+        return grown
+
+    def _trainer(self, train_time: float, policy: Trainer, reference: Reference | None) -> dict[str, float]:
+        # A LoRA policy's reference is the policy with its adapters off: its forwards are on the policy's counter.
+        flops = self._grown("trainer_flops", policy.flops + (reference.flops if isinstance(reference, Trainer) else 0))
+        if flops <= 0 or train_time <= 0:
+            return {}
+        self.totals["trainer_flops"] += flops
+        self.totals["trainer_time"] += train_time
+        return {"perf/trainer_mfu": flops / train_time / self.peaks["trainer"],
+                "perf/trainer_tflops": flops / train_time / 1e12}
+
+    def _engine(self, deployment: Deployment, policy: Trainer) -> dict[str, float]:
+        stats = deployment.engine_stats()
+        if not stats:
+            return {}
+        grown = {key: self._grown(key, float(stats[key])) for key in
+                 ("prefill_tokens", "prefill_time_s", "output_tokens", "decode_steps", "decode_time_s")}
+        metrics = {}
+        if grown["prefill_time_s"] > 0 and policy.flop_shape is not None:
+            # The engine counts totals only: each prefilled token is taken to sit in a whole prompt of the run's
+            # mean prompt length, none of it cached.
+            prompt = float(stats["prompt_tokens"]) / max(float(stats["requests"]), 1.0)
+            flops = cached_forward_flops(policy.flop_shape, rows=grown["prefill_tokens"] / prompt, new_tokens=prompt)
+            self.totals["prefill_flops"] += flops
+            self.totals["prefill_time"] += grown["prefill_time_s"]
+            metrics["perf/engine_prefill_mfu"] = flops / grown["prefill_time_s"] / self.peaks["engine"]
+        if grown["decode_time_s"] > 0 and grown["decode_steps"] > 0:
+            for key in ("output_tokens", "decode_steps", "decode_time_s"):
+                self.totals[key] += grown[key]
+            metrics["perf/engine_decode_tokens_per_s"] = grown["output_tokens"] / grown["decode_time_s"]
+            metrics["perf/engine_decode_bound_tokens_per_s"] = self._decode_bound(grown["output_tokens"],
+                                                                                  grown["decode_steps"])
+        return metrics
+
+    def _decode_bound(self, tokens: float, steps: float) -> float:
+        """Tokens per second if each decode step took only the time to read the weights once at the measured
+        bandwidth, with the rows per step seen."""
+        return self.peaks["bandwidth"] / self.engine_weight_bytes * tokens / steps
+
+    def summary(self) -> dict[str, float]:
+        """The share of the run's step time per part and trainer phase, and its mean utilisation: totals over totals."""
+        t, summary = self.totals, {}
+        if t["step"] > 0:
+            phases = PHASES if any(t[phase] for phase in PHASES) else ()
+            summary |= {f"{part}_share": t[part] / t["step"] for part in (*STEP_PARTS, *phases)}
+        if t["trainer_time"] > 0:
+            summary["trainer_mfu"] = t["trainer_flops"] / t["trainer_time"] / self.peaks["trainer"]
+        if t["prefill_time"] > 0:
+            summary["engine_prefill_mfu"] = t["prefill_flops"] / t["prefill_time"] / self.peaks["engine"]
+        if t["decode_time_s"] > 0:
+            summary["engine_decode_tokens_per_s"] = t["output_tokens"] / t["decode_time_s"]
+            summary["engine_decode_bound_tokens_per_s"] = self._decode_bound(t["output_tokens"], t["decode_steps"])
+        return summary
+
+    def summary_text(self) -> str:
+        """A few lines for the end of a run: where the step time went, and the mean utilisation of each part."""
+        s = self.summary()
+        if "train_share" not in s:
+            return "utilisation: no step was timed"
+        lines = [f"utilisation over {self.steps} steps, {self.totals['step']:.1f} s of step time:",
+                 "  time: " + ", ".join(f"{part} {s[part + '_share']:.0%}" for part in STEP_PARTS)]
+        if f"{PHASES[0]}_share" in s:
+            lines[-1] += " (of it " + ", ".join(f"{phase} {s[phase + '_share']:.0%}" for phase in PHASES) + ")"
+        use = []
+        if "trainer_mfu" in s:
+            use.append(f"trainer {s['trainer_mfu']:.1%} of the {self.dtypes['trainer']} peak")
+        if "engine_prefill_mfu" in s:
+            use.append(f"engine prefill {s['engine_prefill_mfu']:.1%} of the {self.dtypes['engine']} peak")
+        if "engine_decode_tokens_per_s" in s:
+            use.append(f"decode {s['engine_decode_tokens_per_s']:.0f} tokens/s of a "
+                       f"{s['engine_decode_bound_tokens_per_s']:.0f} tokens/s bandwidth bound")
+        if use:
+            lines.append("  utilisation: " + "; ".join(use))
+        return "\n".join(lines)
+
+    def report(self) -> None:
+        log.info(self.summary_text())

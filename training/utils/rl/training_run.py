@@ -49,6 +49,8 @@ from training.utils.loop_watchdog import LoopWatchdog
 from training.utils.rl.dataset import DurableRowSource
 from training.utils.rl.groups import SettledRow
 from training.utils.rl.health import RunHealth
+from training.utils.rl.memory_budget import fit_memory_budget
+from training.utils.rl.memory_telemetry import MemoryTelemetry, memory_summary
 from training.utils.rl.resume import run_settings
 from training.utils.rl.rollout.invoke import DrawFn, bind_draws
 from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
@@ -62,7 +64,7 @@ from training.utils.rl.startup import (
     trainable_sequence_limit,
     warm_start,
 )
-from training.utils.rl.telemetry import EngineCounters
+from training.utils.rl.telemetry import EngineCounters, Utilisation
 from training.utils.rl.train_step import KLCoefficient
 from training.utils.rl.worker import TrainerWorker
 from training.utils.run_lock import run_lock
@@ -100,6 +102,11 @@ class TrainingRun:
     evaluation_fn: Callable | None
     health: RunHealth = field(default_factory=RunHealth)
     engine_counters: EngineCounters = field(default_factory=EngineCounters)
+    memory: MemoryTelemetry = field(default_factory=MemoryTelemetry)
+    """Each step's `mem/*`; its RSS window opens when the run is made (the first step's covers the evaluation
+    before it)."""
+    utilisation: Utilisation = field(default_factory=Utilisation)
+    """Each step's `perf/*` utilisation; made (the machine's peaks measured) before the first rollout."""
     resume_state: dict[str, Any] = field(default_factory=dict)
     """What the loop handed to the last `end_step`: what a checkpoint stores besides the weights and β."""
     step: int = 0
@@ -153,6 +160,9 @@ class TrainingRun:
         self.resume_state = resume_state
         self.samples_trained += int(metrics.get("batch/samples", 0))
         metrics |= self.engine_counters.step_metrics(self.deployment)
+        metrics |= self.memory.step_metrics(self.policy, self.reference, self.deployment)
+        metrics |= self.utilisation.step_metrics(metrics, self.policy, self.reference, self.deployment,
+                                                 self.cfg.deployment)
         if self.cfg.eval_interval and step % self.cfg.eval_interval == 0:
             metrics |= await evaluate(self.evaluation_fn, self.setup, step, None, self.cfg)
             self.evaluated_step = step
@@ -218,6 +228,7 @@ class TrainingRun:
             "metrics": self.metrics,
             "samples_trained": self.samples_trained,
             "health": self.health.summary(),
+            "utilisation": self.utilisation.summary(),
             "log_path": str(Path(self.cfg.log_path)),
             "ledger": str(self.logger.ledger_path),
             "plots": [str(p) for p in plots],
@@ -289,6 +300,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
     rng = np.random.default_rng(cfg.seed)
     total_steps = cfg.planned_steps(len(rows))
     policy, reference, tokenizer, model = setup_trainers(cfg, total_steps)
+    deployment_cfg = fit_memory_budget(cfg, policy, reference)  # a budget that cannot fit stops before any checkpoint
     settings = run_settings(cfg, rows, recipe=loop.__module__.rsplit(".", 1)[-1], model=model)
     progress = restore(cfg, policy, rng, settings)  # refuses a checkpoint of other settings before loading it
     kl = KLCoefficient.for_run(cfg, progress)
@@ -298,7 +310,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
     if not distributed.is_main():
         worker.follow()
         return distributed.broadcast_object(control=True)  # rank 0's summary
-    deployment = await deploy_policy(cfg, worker, policy, tokenizer)
+    deployment = await deploy_policy(cfg, deployment_cfg, worker, policy, tokenizer)
     logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress, wandb_project=cfg.wandb_project,
                        config=cfg.model_dump(), new_run=not progress)
     shim = run = None
@@ -334,6 +346,8 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
             await shim.close()
         await deployment.close()
     run.health.report()
+    log.info(memory_summary(run.metrics))
+    run.utilisation.report()
     return distributed.broadcast_object(run.summary(plots), control=True)  # under torchrun every rank returns it
 
 

@@ -1,10 +1,11 @@
 """The local policy/reference trainer (`core.Trainer`), its datums and micro-batches (`batching`), its
 chunked vocabulary projection (`logprob_head`), optimizer schedule and update guard (`optim`), compiled
-layers (`compiled`), FSDP2 pieces (`sharding`) and prefix sharing (`shared_prefix`)."""
+layers (`compiled`), FSDP2 pieces (`sharding`), prefix sharing (`shared_prefix`) and precision (`precision`)."""
 
 from training.utils.trainer.batching import Datum, MicroBatch, plan_microbatches
-from training.utils.trainer.core import AdapterDisabledReference, Reference, Trainer, resolve_precision, weight_dtype
+from training.utils.trainer.core import AdapterDisabledReference, Reference, Trainer
 from training.utils.trainer.optim import lr_multiplier
+from training.utils.trainer.precision import compute_dtype, resolve_precision, weight_dtype
 
 __all__ = [
     "AdapterDisabledReference",
@@ -12,6 +13,7 @@ __all__ = [
     "MicroBatch",
     "Reference",
     "Trainer",
+    "compute_dtype",
     "lr_multiplier",
     "plan_microbatches",
     "resolve_precision",

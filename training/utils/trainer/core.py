@@ -9,7 +9,8 @@ One `Trainer` wraps one Hugging Face causal LM on one device:
   once (`shared_prefix`), giving the logprobs, entropies and gradients of the datums apart;
 - `optim_step()`: AdamW with norm clipping and an LR schedule, skipping a step whose gradient or
   update is not finite;
-- `state_dict_for_inference()` / `save_hf(path)`: hand the weights to an inference engine.
+- `state_dict_for_inference()` / `save_hf(path)`: hand the weights to an inference engine;
+- `flops`: the model FLOPs of every micro-batch run so far (`training.utils.flops`), what utilisation divides.
 
 A reference model is a `Trainer(model, cfg, trainable=False)`: frozen, eval mode, no optimizer;
 for a LoRA policy (`cfg.lora_rank > 0`) it is `policy.adapter_disabled_reference()`, no copy.
@@ -27,7 +28,6 @@ Models that transform logits after `lm_head` (e.g. Gemma-2 soft-capping) are not
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import warnings
@@ -42,8 +42,8 @@ from training.utils import distributed
 from training.utils.atomic_dir import replaced_directory
 from training.utils.config import TrainerConfig
 from training.utils.errors import ConfigError
+from training.utils.flops import decoder_shape, forward_flops, shared_prefix_pairs
 from training.utils.lora import adapters_disabled, merged_state_dict, standalone_copy, wrap_with_lora
-from training.utils.model import native_bf16
 from training.utils.trainer.batching import (
     Datum,
     LossFn,
@@ -60,23 +60,11 @@ from training.utils.trainer.batching import (
 from training.utils.trainer.compiled import CompiledLayers
 from training.utils.trainer.logprob_head import token_logprobs
 from training.utils.trainer.optim import guarded_step, lr_multiplier, max_abs, param_groups
+from training.utils.trainer.precision import autocast, resolve_precision, weight_dtype
 from training.utils.trainer.sharding import MetricTotals, ShardedRoot, gather_to_main, unsharded_copy
 from training.utils.trainer.shared_prefix import PrefixBundle, PrefixSharing, prefix_bundles, shared_prefix_mask
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
-    """`cfg.precision` with `auto` decided: bf16-autocast where bf16 is native (CUDA, CPUs with AVX512-BF16 or
-    AMX), fp32 elsewhere."""
-    if cfg.precision != "auto":
-        return cfg.precision
-    return "bf16-autocast" if native_bf16(device) else "fp32"
-
-
-def weight_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
-    """The dtype the trainer keeps its weights (and AdamW state) in: float32 unless `precision` is bf16."""
-    return torch.bfloat16 if resolve_precision(cfg, device) == "bf16" else torch.float32
 
 
 def _scatter(values_N: Tensor, positions_N: Tensor, shape: torch.Size) -> Tensor:
@@ -114,6 +102,9 @@ class Trainer:
         self.last_skip_reason: str | None = None
         """Why the last skipped step was skipped (a non-finite gradient norm, an update that overflowed)."""
         self.device = next(model.parameters()).device
+        self.flop_shape = decoder_shape(model.config)  # None: a model whose FLOPs are not counted
+        self.flops = 0.0
+        """Model FLOPs of the micro-batches this process ran, forwards and backwards (`_count_flops`)."""
         self.optimizer: torch.optim.AdamW | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.lora = trainable and cfg.lora_rank > 0
@@ -207,10 +198,14 @@ class Trainer:
         if backward:
             (logprobs_BT.sum() * 0.0).backward()
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "bf16-autocast":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def _count_flops(self, datums: list[Datum], bundles: list[PrefixBundle], batch: PaddedBatch, *,
+                     backward: bool) -> None:
+        """Add a micro-batch's model FLOPs to `flops`: every token run through the decoder, padding included;
+        attention over each row's real tokens, a shared prefix's once; the projection at the positions computed."""
+        if self.flop_shape is not None:
+            pairs = sum(shared_prefix_pairs(b.prefix_len, [len(datums[i]) for i in b.indices]) for b in bundles)
+            self.flops += forward_flops(self.flop_shape, tokens=batch.input_ids.numel(), attention_pairs=pairs,
+                                        projected=batch.positions.numel(), backward=backward)
 
     def _forward(self, batch: PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """(b, T) logprobs (and entropies) at `batch.positions`, 0 elsewhere; differentiable if grad is on."""
@@ -218,7 +213,7 @@ class Trainer:
         attention_mask = batch.attention_mask
         if batch.sequence_ids is not None:
             attention_mask = shared_prefix_mask(batch.sequence_ids, batch.segment_ids, self.prefix_sharing.attention)
-        with self._autocast():
+        with autocast(self.precision, self.device):
             hidden_BTH = self.model.get_decoder()(
                 input_ids=batch.input_ids,
                 attention_mask=attention_mask,
@@ -256,6 +251,7 @@ class Trainer:
             indices = [index for bundle in bundles for index in bundle.indices]
             batch = collate(datums, bundles, {}, trained_only=False, packed=self.cfg.pack_sequences).to(self.device)
             logprobs_BT, entropy_BT = self._model_forward(batch, temperature, with_entropy)
+            self._count_flops(datums, bundles, batch, backward=False)
             logprobs_BT = logprobs_BT.cpu()
             entropy_BT = entropy_BT.cpu() if with_entropy else None
             for row, index in enumerate(indices):
@@ -344,6 +340,7 @@ class Trainer:
             # A micro-batch without trained tokens never reaches the model's graph.
             if loss.requires_grad:
                 loss.backward()
+            self._count_flops(datums, bundles, batch, backward=loss.requires_grad)
             micro_weight = float(sum(sum(datums[i].weights) for i in indices))
             # If nothing in the call is weighted, average micro-batches equally instead of 0/0.
             totals.add(loss, metrics, micro_weight if num_tokens_total > 0 else 1.0)

@@ -1,0 +1,36 @@
+"""The trainer's precision: `auto` decided for the device, the dtype its weights are kept in, and the dtype its
+matmuls run in (what its utilisation is measured against)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from training.utils.config import TrainerConfig
+from training.utils.model import native_bf16
+
+
+def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
+    """`cfg.precision` with `auto` decided: bf16-autocast where bf16 is native (CUDA, CPUs with AVX512-BF16 or
+    AMX), fp32 elsewhere."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    return "bf16-autocast" if native_bf16(device) else "fp32"
+
+
+def weight_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
+    """The dtype the trainer keeps its weights (and AdamW state) in: float32 unless `precision` is bf16."""
+    return torch.bfloat16 if resolve_precision(cfg, device) == "bf16" else torch.float32
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the matmuls of a resolved `precision` run in: bfloat16 under bf16 autocast or with bf16 weights."""
+    return torch.bfloat16 if precision in ("bf16", "bf16-autocast") else torch.float32
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a forward runs in: bf16 autocast under `bf16-autocast`, else none."""
+    if precision == "bf16-autocast":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
