@@ -33,7 +33,6 @@ of the runs that report raw logprobs.
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -47,8 +46,6 @@ from training.utils.model import default_device
 from training.utils.rl.rollout.types import PromptGroup, RolloutRun
 from training.utils.rl.train_step import PHASES
 from training.utils.trainer import Reference, Trainer, compute_dtype
-
-log = logging.getLogger("training")
 
 ENGINE_COUNTERS = {
     "prompt_tokens": "perf/prompt_tokens",
@@ -258,6 +255,3 @@ class Utilisation:
         if use:
             lines.append("  utilisation: " + "; ".join(use))
         return "\n".join(lines)
-
-    def report(self) -> None:
-        log.info(self.summary_text())

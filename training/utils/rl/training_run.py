@@ -28,6 +28,7 @@ import asyncio
 import inspect
 import logging
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
@@ -346,8 +347,12 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
             await shim.close()
         await deployment.close()
     run.health.report()
-    log.info(memory_summary(run.metrics))
-    run.utilisation.report()
+    # Where the run's time and memory went: on the console beside the progress lines, in the log otherwise.
+    for line in (run.utilisation.summary_text(), memory_summary(run.metrics)):
+        if cfg.progress:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            log.info(line)
     return distributed.broadcast_object(run.summary(plots), control=True)  # under torchrun every rank returns it
 
 
