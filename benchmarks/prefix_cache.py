@@ -10,7 +10,7 @@ tokens without the cache to with it.
 
     python benchmarks/prefix_cache.py                                    # both examples, 2 steps each
     python benchmarks/prefix_cache.py --examples multi_turn --steps 3
-    python benchmarks/prefix_cache.py --model tiny-random --steps 1       # a smoke run
+    python benchmarks/prefix_cache.py --examples multi_turn --model tiny-random --steps 1   # a smoke run
     python benchmarks/prefix_cache.py --model DIR --random-init           # DIR: config.json + tokenizer (GPU box)
 
 Sampling is unseeded, as in training, so the two runs draw different replies: the prompt tokens
@@ -75,6 +75,10 @@ def compare(name: str, model_name: str | None, steps: int, random_init: bool = F
     if model_name:
         cfg = cfg.model_copy(update={"model": model_name})
     model, tokenizer = load(cfg.model, random_init)
+    vocab = model.get_input_embeddings().num_embeddings
+    if any(max(row.get("prompt_token_ids") or [0]) >= vocab for row in rows[: cfg.prompt_groups_per_step * steps]):
+        raise SystemExit(f"{name}: its rows hold the example model's token ids, outside {cfg.model}'s vocabulary of "
+                         f"{vocab}; run this example with a model of that tokenizer, or --examples multi_turn")
     result = {}
     for label, budget in (("without", 0), ("with", cfg.deployment.prefix_cache_tokens)):
         deployment = cfg.deployment.model_copy(update={"prefix_cache_tokens": budget})
