@@ -28,6 +28,8 @@ from training.utils.tiny_model import tiny_config
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 ASSISTANT_HEADER = f"{IM_START}assistant\n"
+CALL_TEXT = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'
+"""A Hermes tool call the scripted model replies with: one `read_file` of a.txt."""
 
 
 def make_tiny(seed: int = 0):

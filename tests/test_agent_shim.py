@@ -14,6 +14,7 @@ import pytest
 
 from shim_support import (
     ASSISTANT_HEADER,
+    CALL_TEXT,
     anthropic_client,
     assert_chain,
     bridge,
@@ -29,7 +30,6 @@ from training.utils.config import AgentShimConfig, RLConfig
 from training.utils.rl.agent.chat_request import ChatRequest
 from training.utils.rl.agent.hermes import tools_system_text
 
-CALL_TEXT = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'
 ANTHROPIC_TOOLS = [
     {
         "name": "read_file",

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from shim_support import (
+    CALL_TEXT,
     assert_chain,
     bridge,
     chatml,
@@ -32,7 +33,6 @@ from training.utils.rl.agent.hermes import tools_system_text
 from training.utils.rl.agent.reasoning_seal import ReasoningSeal
 from training.utils.rl.agent.wire_openai_responses import ResponsesTurn, reply_identity
 
-CALL_TEXT = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file", "parameters": SCHEMA}]
 CHAT_TOOLS = [{"type": "function",

@@ -154,17 +154,6 @@ def test_the_byte_bound_defaults_to_512_mib_or_one_context():
     assert prefix_cache_bounds(100, 7, 8192, 512) == (100, 7)
 
 
-def test_a_zero_byte_bound_turns_the_cache_off():
-    model, tok = peaked_tiny(0)
-    engine = Engine(copy.deepcopy(model), tok, DeploymentConfig(prefix_cache_bytes=0))
-    try:
-        assert engine._prefix_cache is None
-    finally:
-        engine.close()
-    with pytest.raises(ValueError, match="prefix_cache_bytes"):
-        DeploymentConfig(prefix_cache_bytes=-1)
-
-
 # ---------------------------------------------------------------------------- a step's peak
 
 

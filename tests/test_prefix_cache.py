@@ -297,15 +297,16 @@ def test_a_sequence_that_spans_a_weight_update_is_not_cached(tiny, tiny_other):
     assert hits == 0
 
 
-def test_a_zero_budget_turns_the_cache_off(tiny):
+@pytest.mark.parametrize("bound", ["prefix_cache_tokens", "prefix_cache_bytes"])
+def test_a_zero_bound_turns_the_cache_off(tiny, bound):
     model, tok = tiny
-    engine = engine_for(model, tok, prefix_cache_tokens=0)
+    engine = engine_for(model, tok, **{bound: 0})
     try:
         assert engine._prefix_cache is None
     finally:
         engine.close()
-    with pytest.raises(ValueError, match="prefix_cache_tokens"):
-        DeploymentConfig(prefix_cache_tokens=-1)
+    with pytest.raises(ValueError, match=bound):
+        DeploymentConfig(**{bound: -1})
 
 
 def test_the_default_budget_keeps_a_prompt_longer_than_the_old_fixed_one(tiny):
