@@ -205,8 +205,8 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes):
     shape = decoder_shape(tiny_config(260))
     policy = SimpleNamespace(flops=0.0, precision="fp32", device=torch.device("cpu"), flop_shape=shape,
                              model=torch.nn.Linear(10, 10))  # 110 weights: 440 bytes in float32
-    deployment, utilisation = CountingDeployment(), Utilisation(startup_peaks={})
     cfg = DeploymentConfig(dtype="float32")
+    deployment, utilisation = CountingDeployment(), Utilisation.for_run(policy, cfg)
     policy.flops = 3e9
     # 8 requests of 5-token prompts, all prefilled; 32 tokens in 4 decode steps (8 rows each).
     deployment.stats = {"prefill_tokens": 40, "prompt_tokens": 40, "requests": 8, "prefill_time_s": 0.001,
@@ -214,7 +214,7 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes):
     times = {"perf/step_time": 2.0, "perf/train_time": 1.0, "perf/rollout_wait_time": 0.8,
              "perf/weight_sync_time": 0.1, "perf/fwd_bwd_time": 0.6, "perf/ref_forward_time": 0.2,
              "perf/old_policy_forward_time": 0.0, "perf/optim_step_time": 0.1}
-    first = utilisation.step_metrics(times, policy, None, deployment, cfg)
+    first = utilisation.step_metrics(times, policy, None, deployment)
     # The prefill as 8 whole prompts of 5 tokens: 40·147456 + 8·33280 + 8·15·512 FLOPs in 1 ms, against 1e12 FLOP/s.
     prefill = 40 * PER_TOKEN + 8 * PER_PROJECTED + 120 * PER_PAIR
     assert first == pytest.approx({"perf/trainer_mfu": 3e9 / 1.0 / 1e12, "perf/trainer_tflops": 3e9 / 1e12,
@@ -223,7 +223,7 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes):
                                    "perf/engine_decode_bound_tokens_per_s": 1e10 / 440 * 8})
     # The next step: only what grew. No prefill and no decode this time; the trainer's FLOPs grew by 1e9.
     policy.flops = 4e9
-    second = utilisation.step_metrics(times, policy, None, deployment, cfg)
+    second = utilisation.step_metrics(times, policy, None, deployment)
     assert second == pytest.approx({"perf/trainer_mfu": 1e9 / 1e12, "perf/trainer_tflops": 1e9 / 1e12})
     summary = utilisation.summary()
     assert summary == pytest.approx({
@@ -240,8 +240,8 @@ def test_an_external_server_gets_no_engine_utilisation(probes):
     deployment = CountingDeployment()  # reports no counters, as external servers do
     policy = SimpleNamespace(flops=1e9, precision="fp32", device=torch.device("cpu"),
                              flop_shape=decoder_shape(tiny_config(260)), model=torch.nn.Linear(2, 2))
-    metrics = Utilisation(startup_peaks={}).step_metrics({"perf/train_time": 1.0}, policy, None, deployment,
-                                                         DeploymentConfig())
+    metrics = Utilisation.for_run(policy, DeploymentConfig()).step_metrics({"perf/train_time": 1.0}, policy, None,
+                                                                          deployment)
     assert set(metrics) == {"perf/trainer_mfu", "perf/trainer_tflops"}
 
 

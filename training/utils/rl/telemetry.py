@@ -42,7 +42,6 @@ from training.utils import machine_peak
 from training.utils.config import DeploymentConfig
 from training.utils.deploy import Deployment, engine_dtype
 from training.utils.flops import cached_forward_flops
-from training.utils.model import default_device
 from training.utils.rl.rollout.types import PromptGroup, RolloutRun
 from training.utils.rl.train_step import PHASES
 from training.utils.trainer import Reference, Trainer, compute_dtype
@@ -139,44 +138,40 @@ class Utilisation:
     """Each step's utilisation of the machine (`perf/trainer_mfu`, `perf/engine_*`), from the growth of cumulative
     counters since the previous step, and the run's totals for its summary.
 
-    Made at the run's start-up, before any rollout competes with the probe: it has the machine's peaks measured
-    there (`machine_peak.machine_peaks`, cached per machine). The trainer's and engine's dtypes are read at the
-    first step.
+    Made at the run's start-up (`for_run`), before any rollout competes with the probe: the peaks of the trainer's
+    and the engine's compute dtypes are measured there (cached per machine, `machine_peak`).
     """
 
-    startup_peaks: dict[str, machine_peak.Measurement] = field(
-        default_factory=lambda: machine_peak.machine_peaks(default_device()))
-    """The machine's peaks measured (or read from the cache) at start-up, so no step's lookup probes."""
+    peaks: dict[str, float]
+    """FLOP/s of the trainer's and of the engine's dtype, and the bandwidth in bytes/s."""
+    dtypes: dict[str, str]
+    """The trainer's and the engine's compute dtype, by name."""
+    engine_weight_bytes: float
+    """What a decode step reads: the policy's parameters in the engine's dtype."""
     last: dict[str, float] = field(default_factory=dict)
     """The cumulative counters at the previous step: the trainers' FLOPs, the engine's `engine_stats()`."""
     totals: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Sums over the run: the step's `perf/*_time` parts, and the FLOPs, seconds and tokens the means divide."""
     steps: int = 0
-    peaks: dict[str, float] = field(default_factory=dict)
-    """FLOP/s of the trainer's and of the engine's dtype, and the bandwidth in bytes/s; resolved at the first step."""
-    dtypes: dict[str, str] = field(default_factory=dict)
-    """The trainer's and the engine's compute dtype, by name."""
-    engine_weight_bytes: float = 0.0
 
-    def step_metrics(self, metrics: dict, policy: Trainer, reference: Reference | None, deployment: Deployment,
-                     deployment_cfg: DeploymentConfig) -> dict[str, float]:
+    @classmethod
+    def for_run(cls, policy: Trainer, deployment_cfg: DeploymentConfig) -> Utilisation:
+        dtypes = {"trainer": compute_dtype(policy.precision), "engine": engine_dtype(deployment_cfg, policy.device)}
+        peaks = {name: machine_peak.peak_flops(policy.device, dtype).value for name, dtype in dtypes.items()}
+        peaks["bandwidth"] = machine_peak.memory_bandwidth(policy.device).value
+        # A decode step reads every weight once: the policy's parameters, in the engine's dtype.
+        weight_bytes = float(sum(p.numel() for p in policy.model.parameters()) * dtypes["engine"].itemsize)
+        return cls(peaks, {name: str(dtype).removeprefix("torch.") for name, dtype in dtypes.items()}, weight_bytes)
+
+    def step_metrics(self, metrics: dict, policy: Trainer, reference: Reference | None,
+                     deployment: Deployment) -> dict[str, float]:
         """The step's utilisation metrics; `metrics` holds its `perf/*_time` (none but the step's without a trained
         group)."""
-        if not self.peaks:
-            self._resolve(policy, deployment_cfg)
         self.steps += 1
         for part in ("step", *STEP_PARTS, *PHASES):
             self.totals[part] += metrics.get(f"perf/{part}_time", 0.0)
         return self._trainer(metrics.get("perf/train_time", 0.0), policy, reference) | self._engine(deployment,
                                                                                                    policy)
-
-    def _resolve(self, policy: Trainer, deployment_cfg: DeploymentConfig) -> None:
-        dtypes = {"trainer": compute_dtype(policy.precision), "engine": engine_dtype(deployment_cfg, policy.device)}
-        self.dtypes = {name: str(dtype).removeprefix("torch.") for name, dtype in dtypes.items()}
-        self.peaks = {name: machine_peak.peak_flops(policy.device, dtype).value for name, dtype in dtypes.items()}
-        self.peaks["bandwidth"] = machine_peak.memory_bandwidth(policy.device).value
-        # A decode step reads every weight once: the policy's parameters, in the engine's dtype.
-        self.engine_weight_bytes = float(sum(p.numel() for p in policy.model.parameters()) * dtypes["engine"].itemsize)
 
     def _grown(self, name: str, value: float) -> float:
         grown, self.last[name] = value - self.last.get(name, 0.0), value

@@ -101,13 +101,13 @@ class TrainingRun:
     setup: RolloutSetup
     rollout_fn: Callable
     evaluation_fn: Callable | None
+    utilisation: Utilisation
+    """Each step's `perf/*` utilisation; made (the machine's peaks measured) before the first rollout."""
     health: RunHealth = field(default_factory=RunHealth)
     engine_counters: EngineCounters = field(default_factory=EngineCounters)
     memory: MemoryTelemetry = field(default_factory=MemoryTelemetry)
     """Each step's `mem/*`; its RSS window opens when the run is made (the first step's covers the evaluation
     before it)."""
-    utilisation: Utilisation = field(default_factory=Utilisation)
-    """Each step's `perf/*` utilisation; made (the machine's peaks measured) before the first rollout."""
     resume_state: dict[str, Any] = field(default_factory=dict)
     """What the loop handed to the last `end_step`: what a checkpoint stores besides the weights and β."""
     step: int = 0
@@ -162,8 +162,7 @@ class TrainingRun:
         self.samples_trained += int(metrics.get("batch/samples", 0))
         metrics |= self.engine_counters.step_metrics(self.deployment)
         metrics |= self.memory.step_metrics(self.policy, self.reference, self.deployment)
-        metrics |= self.utilisation.step_metrics(metrics, self.policy, self.reference, self.deployment,
-                                                 self.cfg.deployment)
+        metrics |= self.utilisation.step_metrics(metrics, self.policy, self.reference, self.deployment)
         if self.cfg.eval_interval and step % self.cfg.eval_interval == 0:
             metrics |= await evaluate(self.evaluation_fn, self.setup, step, None, self.cfg)
             self.evaluated_step = step
@@ -328,8 +327,8 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         run = TrainingRun(cfg=cfg, rows=rows, rng=rng, total_steps=total_steps, progress=progress, settings=settings,
                           policy=policy, reference=reference, kl=kl, tokenizer=tokenizer, worker=worker,
                           deployment=deployment, logger=logger, setup=setup, rollout_fn=rollout_fn_factory(setup),
-                          evaluation_fn=evaluation_fn, step=start_step, evaluated_step=start_step,
-                          saved_step=start_step)
+                          evaluation_fn=evaluation_fn, utilisation=Utilisation.for_run(policy, deployment_cfg),
+                          step=start_step, evaluated_step=start_step, saved_step=start_step)
         run.metrics = await evaluate(evaluation_fn, setup, start_step, logger, cfg)
         await loop(run, **loop_kwargs)
         await run.finish()
