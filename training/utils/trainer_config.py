@@ -62,7 +62,9 @@ class TrainerConfig(StrictModel):
     training each runs compiled and eager too: if the compiled pass raises or its logprobs disagree beyond
     rounding, the trainer warns once and runs the layers eagerly from then on."""
     logprob_chunk_tokens: int = Field(1024, gt=0)
-    """Tokens per chunk when turning logits into logprobs, bounding the float32 vocab-sized buffer."""
+    """Tokens per chunk of the vocabulary projection that turns hidden states into logprobs. A plain linear head
+    computes each chunk a block of vocabulary at a time (at most 4M float32 logits at once, whatever this is); any
+    other head (adapters, quantised layers) holds the chunk's (tokens, vocab) float32 logits."""
     distributed_timeout_s: FiniteFloat = Field(1800.0, gt=0)
     """Under torchrun (README: Scaling out): longest wait of one collective (gradient reduction, weight
     gather, checkpoint) before the rank fails with an error instead of hanging."""

@@ -1,11 +1,126 @@
-"""The vocabulary projection of the positions a micro-batch trains or scores, in chunks: per-token logprobs
-(and entropies) at the targets without a float32 (tokens, vocab) buffer for the whole batch."""
+"""The vocabulary projection of the positions a micro-batch trains or scores: per-token logprobs (and entropies) at
+the targets, a block of vocabulary at a time, never a (tokens, vocab) buffer.
+
+For a plain linear head, `ProjectedLogprobs` runs the projection, the log-normaliser and the target's logit over
+vocabulary blocks of `BLOCK_ELEMENTS` logits and keeps only per-token numbers; its backward recomputes each block's
+logits and turns them straight into the block's share of the gradients. So the float32 logits of a chunk of
+tokens (49k per token for SmolLM2) are never written out whole: each block stays small enough to live in cache and
+to be reused from malloc's free lists, where a whole chunk's buffer is a fresh mapping that faults its pages in
+again on every call. Heads that are not a plain `nn.Linear` (adapters, quantised layers) go through the module, a
+chunk of tokens at a time, recomputed in backward.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+BLOCK_ELEMENTS = 1 << 22
+"""Logits per block (tokens × vocabulary columns): 16 MiB in float32, under glibc's largest mmap threshold, so
+a block's buffers are recycled by malloc instead of mapped and faulted in anew."""
+
+
+class ProjectedLogprobs(torch.autograd.Function):
+    """log_softmax(h·Wᵀ (+ b) / T) at the targets, and with `with_entropy` the entropy of that distribution.
+
+    With z = logits / T, log Z = logsumexp(z) and p = softmax(z):
+        logprob = z[target] − log Z,    entropy = log Z − Σ p·z
+        ∂logprob/∂z = onehot(target) − p,    ∂entropy/∂z = −p ⊙ (log p + entropy)
+    and ∂/∂logits = ∂/∂z / T. The matmuls run in the dtype `hidden` and `weight` come in (bfloat16 under
+    autocast), the normaliser and every per-token number in float32, as `lm_head(h).float()` would give them.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_CH: Tensor, weight_VH: Tensor, bias_V: Tensor | None, targets_C: Tensor,
+                temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+        num_tokens, vocab = hidden_CH.shape[0], weight_VH.shape[0]
+        block = max(1, BLOCK_ELEMENTS // max(1, num_tokens))
+        logz_blocks, expected_z_blocks = [], []
+        target_z_C = torch.zeros(num_tokens, dtype=torch.float32, device=hidden_CH.device)
+        for start in range(0, vocab, block):
+            z_CB = _block_z(hidden_CH, weight_VH, bias_V, start, block, temperature)
+            _pick_targets(z_CB, targets_C, start, target_z_C)
+            logz_C = z_CB.logsumexp(dim=1)
+            logz_blocks.append(logz_C)
+            if with_entropy:  # E[z] under the block's own softmax; the blocks' shares of Z weight them below
+                expected_z_blocks.append(_expected_z(z_CB, logz_C))
+        logz_KC = torch.stack(logz_blocks)
+        logz_C = logz_KC.logsumexp(dim=0)
+        logprobs_C = target_z_C - logz_C
+        entropy_C = torch.zeros(0, dtype=torch.float32, device=hidden_CH.device)
+        if with_entropy:
+            share_KC = (logz_KC - logz_C).exp()
+            entropy_C = logz_C - (share_KC * torch.stack(expected_z_blocks)).sum(dim=0)
+        ctx.save_for_backward(hidden_CH, weight_VH, bias_V, targets_C, logz_C, entropy_C)
+        ctx.temperature, ctx.block = temperature, block
+        ctx.set_materialize_grads(False)
+        return logprobs_C, entropy_C
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_C: Tensor, grad_entropy_C: Tensor | None):
+        hidden_CH, weight_VH, bias_V, targets_C, logz_C, entropy_C = ctx.saved_tensors
+        temperature, block = ctx.temperature, ctx.block
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        with_entropy_grad = grad_entropy_C is not None and entropy_C.numel() > 0
+        if grad_logprobs_C is None:
+            grad_logprobs_C = torch.zeros_like(logz_C)
+        grad_hidden_CH = torch.zeros(hidden_CH.shape, dtype=torch.float32, device=hidden_CH.device) \
+            if need_hidden else None
+        grad_weight_VH = torch.empty_like(weight_VH) if need_weight else None
+        grad_bias_V = torch.empty_like(bias_V) if need_bias else None
+        for start in range(0, weight_VH.shape[0], block):
+            z_CB = _block_z(hidden_CH, weight_VH, bias_V, start, block, temperature)
+            logp_CB = z_CB.sub_(logz_C[:, None])
+            p_CB = logp_CB.exp()
+            grad_z_CB = p_CB * -grad_logprobs_C[:, None]
+            if with_entropy_grad:
+                grad_z_CB -= p_CB.mul_(logp_CB.add_(entropy_C[:, None])).mul_(grad_entropy_C[:, None])
+            _add_at_targets(grad_z_CB, targets_C, start, grad_logprobs_C)
+            if temperature != 1.0:
+                grad_z_CB /= temperature
+            grad_logits_CB = grad_z_CB.to(weight_VH.dtype)
+            stop = start + grad_logits_CB.shape[1]
+            if need_hidden:
+                grad_hidden_CH += grad_logits_CB @ weight_VH[start:stop]
+            if need_weight:
+                grad_weight_VH[start:stop] = grad_logits_CB.T @ hidden_CH
+            if need_bias:
+                grad_bias_V[start:stop] = grad_z_CB.sum(dim=0)
+        if grad_hidden_CH is not None:
+            grad_hidden_CH = grad_hidden_CH.to(hidden_CH.dtype)
+        return grad_hidden_CH, grad_weight_VH, grad_bias_V, None, None, None
+
+
+def _block_z(hidden_CH: Tensor, weight_VH: Tensor, bias_V: Tensor | None, start: int, block: int,
+             temperature: float) -> Tensor:
+    """float32 (C, B) logits / T of vocabulary columns start .. start + B."""
+    logits_CB = hidden_CH @ weight_VH[start:start + block].T
+    if bias_V is not None:
+        logits_CB += bias_V[start:start + block]
+    z_CB = logits_CB.float()
+    return z_CB.div_(temperature) if temperature != 1.0 else z_CB
+
+
+def _expected_z(z_CB: Tensor, logz_C: Tensor) -> Tensor:
+    """Σ_b softmax_b(z) · z_b within the block."""
+    return ((z_CB - logz_C[:, None]).exp_() * z_CB).sum(dim=1)
+
+
+def _pick_targets(z_CB: Tensor, targets_C: Tensor, start: int, into_C: Tensor) -> None:
+    """Write z at each target that falls in this block's columns into `into_C`."""
+    local_C = targets_C - start
+    inside_C = (local_C >= 0) & (local_C < z_CB.shape[1])
+    picked_C = z_CB.gather(1, local_C.clamp(0, z_CB.shape[1] - 1)[:, None]).squeeze(1)
+    into_C.copy_(torch.where(inside_C, picked_C, into_C))
+
+
+def _add_at_targets(grad_z_CB: Tensor, targets_C: Tensor, start: int, grad_logprobs_C: Tensor) -> None:
+    """grad_z[c, target_c] += grad_logprob[c] where the target falls in this block."""
+    local_C = targets_C - start
+    inside_C = (local_C >= 0) & (local_C < grad_z_CB.shape[1])
+    rows_I = inside_C.nonzero().squeeze(1)
+    grad_z_CB[rows_I, local_C[rows_I]] += grad_logprobs_C[rows_I]
 
 
 def chunk_logprobs(lm_head: torch.nn.Module, hidden_CH: Tensor, targets_C: Tensor, temperature: float) -> Tensor:
@@ -29,6 +144,13 @@ def token_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """float32 (N,) log_softmax(lm_head(h) / temperature) at `targets_N`, and with `with_entropy` the (N,) entropy of
     that distribution (else None), `chunk_tokens` positions at a time; differentiable if grad is on."""
+    if type(lm_head) is torch.nn.Linear:
+        weight_VH, bias_V, hidden_NH = _matmul_operands(lm_head, hidden_NH)
+        chunks = [ProjectedLogprobs.apply(hidden_NH[start:start + chunk_tokens], weight_VH, bias_V,
+                                          targets_N[start:start + chunk_tokens], temperature, with_entropy)
+                  for start in range(0, len(targets_N), chunk_tokens)]
+        return (_cat([logprobs for logprobs, _ in chunks], hidden_NH),
+                _cat([entropy for _, entropy in chunks], hidden_NH) if with_entropy else None)
     logprob_chunks, entropy_chunks = [], []
     num_positions = len(targets_N)
     for start in range(0, num_positions, chunk_tokens):
@@ -47,6 +169,16 @@ def token_logprobs(
             logprobs_C = chunk_logprobs(lm_head, hidden_CH, targets_C, temperature)
         logprob_chunks.append(logprobs_C)
     return _cat(logprob_chunks, hidden_NH), _cat(entropy_chunks, hidden_NH) if with_entropy else None
+
+
+def _matmul_operands(lm_head: torch.nn.Linear, hidden_NH: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The head's weight, bias and the hidden states in the dtype its matmul runs in: autocast's where autocast is
+    on (cast once per call, as autocast caches it), else the weight's."""
+    device_type = hidden_NH.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else \
+        lm_head.weight.dtype
+    bias = lm_head.bias.to(dtype) if lm_head.bias is not None else None
+    return lm_head.weight.to(dtype), bias, hidden_NH.to(dtype)
 
 
 def _cat(chunks: list[Tensor], like: Tensor) -> Tensor:
