@@ -23,6 +23,10 @@ SCRIPTS = {
     "trainer_throughput": (["--model", "tiny-random", "--batch", "4", "--seq-len", "64", "--steps", "1",
                             "--warmup", "0"], "packed_over_padded_speedup"),
     "machine_peak": ([], "float32"),
+    "logprob_head": (["--vocab", "300", "--hidden", "16", "--tokens", "40", "--chunk-tokens", "16", "--entropy",
+                      "--repeats", "1"], "speed-up of blocked"),
+    "cpu_decode_attention": (["--model", "tiny-random", "--groups", "2", "--group-size", "2", "--max-tokens", "4",
+                              "--repeats", "1"], "cpu_decode_sdpa vs sdpa"),
 }
 
 

@@ -141,6 +141,16 @@ def test_a_shared_chat_header_alone_does_not_shrink_a_group_prefix():
     assert bundles[0].length == 40 + 4 * 1
 
 
+def test_a_stranger_sorted_first_does_not_pull_a_group_onto_the_shared_header():
+    header = list(range(10, 20))
+    stranger = header + [5, 6, 7, 8, 9, 10, 11, 12]  # sorts before the group, shares only the header
+    group = [header + list(range(50, 80)) + [i] for i in range(4)]
+    bundles = prefix_bundles([stranger] + group, max_tokens=1000, pair_cost=0.0)
+    # Greedily, each draw would join the stranger's row sharing 10 tokens: 10 + 8 + 4 × 31 = 142 computed.
+    assert [b.indices for b in bundles] == [(0,), (1, 2, 3, 4)]
+    assert sum(b.length for b in bundles) == 18 + 40 + 4 * 1
+
+
 def test_short_prefixes_the_budget_and_dense_attention_keep_datums_apart():
     short = list(range(MIN_SHARED_TOKENS - 1))
     assert len(prefix_bundles([short + [1, 2], short + [3, 4]], max_tokens=1000, pair_cost=0.0)) == 2

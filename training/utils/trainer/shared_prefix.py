@@ -9,7 +9,7 @@ from the datum's suffix. The last prefix position predicts each datum's first ow
 one hidden state is read by every datum, each applying its own target; its gradient sums theirs.
 
 - `prefix_bundles`: which datums share a row. Sorted by input ids, datums with a common prefix
-  become neighbours, and a neighbour joins while that lowers the estimated compute.
+  become neighbours; the runs of neighbours that make the least estimated compute share rows.
 - `shared_layout`: the model's inputs for one micro-batch of bundles, and where each datum's tokens are.
 - `shared_prefix_mask`: the attention mask of a layout, in the form the attention implementation takes.
 """
@@ -95,31 +95,48 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 def prefix_bundles(input_ids_D: list[list[int]], max_tokens: int, pair_cost: float) -> list[PrefixBundle]:
-    """Bundle datums that share a prefix of at least `MIN_SHARED_TOKENS`, in input-id order.
+    """Bundle datums that share a prefix of at least `MIN_SHARED_TOKENS`: the cheapest split of the datums, in
+    input-id order, into runs computed as one row each.
 
-    A datum joins the bundle before it when the joined row's estimated compute (tokens plus
-    `pair_cost` per pair of its dense mask) is below the two rows' apart, and the joined row still
-    fits `max_tokens`. So a datum that shares only a chat template's header with a bundle of
-    another prompt stays out: joining would shrink that bundle's prefix.
+    A run's row is its common prefix once, then each datum's rest; its estimated compute is its tokens plus
+    `pair_cost` per pair of its dense mask, and it must fit `max_tokens` (a datum alone always does). Sorted by
+    input ids, datums that begin alike are neighbours, so the cheapest split into runs of neighbours is found
+    exactly, by dynamic programming over where each run starts. A greedy pass would let a datum that shares only
+    a chat template's header with the run before it join that run, and then its own group's draws, each sharing
+    the whole prompt with it, could share only the header with the run.
     """
     def cost(length: int) -> float:
         return length + pair_cost * length * length
 
-    bundles: list[PrefixBundle] = []
     order = sorted(range(len(input_ids_D)), key=lambda i: input_ids_D[i])
-    for index in order:
-        length = len(input_ids_D[index])
-        if bundles:
-            last = bundles[-1]
-            shared = min(last.prefix_len, common_prefix_len(input_ids_D[last.indices[0]], input_ids_D[index]))
-            # The prefix shrinks to `shared`: computed once less, but each datum already in the bundle
-            # computes what it lost in its own suffix.
-            joined = last.length + length - shared + (len(last.indices) - 1) * (last.prefix_len - shared)
-            if shared >= MIN_SHARED_TOKENS and joined <= max_tokens and cost(joined) < cost(last.length) + cost(length):
-                bundles[-1] = PrefixBundle((*last.indices, index), shared, joined)
-                continue
-        bundles.append(PrefixBundle.single(index, length))
-    return bundles
+    lengths = [len(input_ids_D[i]) for i in order]
+    # shared_with_previous[k]: tokens the k-th datum in order shares with the one before it.
+    shared_with_previous = [0] + [common_prefix_len(input_ids_D[a], input_ids_D[b]) for a, b in zip(order, order[1:])]
+    # best[end]: the least cost of the first `end` datums in order; run_start[end]: where the last run starts.
+    best, run_start = [0.0] * (len(order) + 1), [0] * (len(order) + 1)
+    runs_prefix = [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        last = end - 1
+        best[end], run_start[end], runs_prefix[end] = best[last] + cost(lengths[last]), last, lengths[last]
+        prefix, total = lengths[last], lengths[last]
+        for start in range(last - 1, -1, -1):
+            prefix = min(prefix, shared_with_previous[start + 1])
+            if prefix < MIN_SHARED_TOKENS:
+                break  # the prefix only shrinks as the run grows backwards
+            total += lengths[start]
+            length = total - (end - start - 1) * prefix
+            if length > max_tokens:
+                break  # and the run only grows
+            if best[start] + cost(length) < best[end]:
+                best[end], run_start[end], runs_prefix[end] = best[start] + cost(length), start, prefix
+    bundles: list[PrefixBundle] = []
+    end = len(order)
+    while end > 0:
+        start, prefix = run_start[end], runs_prefix[end]
+        indices = tuple(order[start:end])
+        bundles.append(PrefixBundle(indices, prefix, prefix + sum(lengths[k] - prefix for k in range(start, end))))
+        end = start
+    return bundles[::-1]
 
 
 @dataclass
