@@ -31,17 +31,22 @@ def whole_logits(head, hidden, targets, temperature):
 def small_blocks(monkeypatch):
     # 7 tokens per chunk x 8 columns per block: 50 columns make 7 blocks, the last one 2 wide.
     monkeypatch.setattr(logprob_head, "BLOCK_ELEMENTS", 56)
+    monkeypatch.setattr(logprob_head, "ACCELERATOR_BLOCK_ELEMENTS", 56)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_values_and_gradients_match_whole_logits(small_blocks, bias, temperature):
+def test_values_and_gradients_match_whole_logits(small_blocks, bias, temperature, device):
     torch.manual_seed(0)
-    head = torch.nn.Linear(HIDDEN, VOCAB, bias=bias)
-    hidden = torch.randn(19, HIDDEN, requires_grad=True)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=bias, device=device)
+    hidden = torch.randn(19, HIDDEN, device=device, requires_grad=True)
     # Targets on both sides of every block border, and the last column.
-    targets = torch.tensor([0, 7, 8, 15, 16, 23, 24, 31, 32, 39, 40, 47, 48, 49, 3, 11, 27, 44, 49])
-    weights_lp, weights_ent = torch.randn(19), torch.randn(19)
+    targets = torch.tensor([0, 7, 8, 15, 16, 23, 24, 31, 32, 39, 40, 47, 48, 49, 3, 11, 27, 44, 49], device=device)
+    weights_lp, weights_ent = torch.randn(19, device=device), torch.randn(19, device=device)
 
     logprobs, entropy = token_logprobs(head, hidden, targets, temperature, chunk_tokens=7, with_entropy=True)
     (logprobs @ weights_lp + entropy @ weights_ent).backward()

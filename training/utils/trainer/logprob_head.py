@@ -2,8 +2,8 @@
 the targets, a block of vocabulary at a time, never a (tokens, vocab) buffer.
 
 For a plain linear head, `ProjectedLogprobs` runs the projection, the log-normaliser and the target's logit over
-vocabulary blocks of `BLOCK_ELEMENTS` logits and keeps only per-token numbers; its backward recomputes each block's
-logits and turns them straight into the block's share of the gradients. So the float32 logits of a chunk of
+vocabulary blocks (`BLOCK_ELEMENTS` logits on a CPU) and keeps only per-token numbers; its backward recomputes each
+block's logits and turns them straight into the block's share of the gradients. So the float32 logits of a chunk of
 tokens (49k per token for SmolLM2) are never written out whole: each block stays small enough to live in cache and
 to be reused from malloc's free lists, where a whole chunk's buffer is a fresh mapping that faults its pages in
 again on every call. Heads that are not a plain `nn.Linear` (adapters, quantised layers) go through the module, a
@@ -17,8 +17,23 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 BLOCK_ELEMENTS = 1 << 22
-"""Logits per block (tokens × vocabulary columns): 16 MiB in float32, under glibc's largest mmap threshold, so
-a block's buffers are recycled by malloc instead of mapped and faulted in anew."""
+"""Logits per block (tokens × vocabulary columns) on a CPU: 16 MiB in float32, under glibc's largest mmap threshold,
+so a block's buffers are recycled by malloc instead of mapped and faulted in anew."""
+
+ACCELERATOR_BLOCK_ELEMENTS = 1 << 25
+"""Logits per block elsewhere (a GPU's caching allocator recycles any size): 128 MiB in float32, matmuls large
+enough to keep the device busy, a few blocks for a vocabulary of 50k–150k."""
+
+
+def block_columns(num_tokens: int, device: torch.device) -> int:
+    """Vocabulary columns per block for a chunk of `num_tokens` positions on `device`."""
+    elements = BLOCK_ELEMENTS if device.type == "cpu" else ACCELERATOR_BLOCK_ELEMENTS
+    return max(1, elements // max(1, num_tokens))
+
+
+def projects_in_blocks(lm_head: torch.nn.Module) -> bool:
+    """Whether `token_logprobs` computes this head a block at a time (`ProjectedLogprobs`): a plain `nn.Linear`."""
+    return type(lm_head) is torch.nn.Linear
 
 
 class ProjectedLogprobs(torch.autograd.Function):
@@ -35,7 +50,7 @@ class ProjectedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden_CH: Tensor, weight_VH: Tensor, bias_V: Tensor | None, targets_C: Tensor,
                 temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
         num_tokens, vocab = hidden_CH.shape[0], weight_VH.shape[0]
-        block = max(1, BLOCK_ELEMENTS // max(1, num_tokens))
+        block = block_columns(num_tokens, hidden_CH.device)
         logz_blocks, expected_z_blocks = [], []
         target_z_C = torch.zeros(num_tokens, dtype=torch.float32, device=hidden_CH.device)
         for start in range(0, vocab, block):
@@ -119,8 +134,9 @@ def _add_at_targets(grad_z_CB: Tensor, targets_C: Tensor, start: int, grad_logpr
     """grad_z[c, target_c] += grad_logprob[c] where the target falls in this block."""
     local_C = targets_C - start
     inside_C = (local_C >= 0) & (local_C < grad_z_CB.shape[1])
-    rows_I = inside_C.nonzero().squeeze(1)
-    grad_z_CB[rows_I, local_C[rows_I]] += grad_logprobs_C[rows_I]
+    # Rows whose target lies elsewhere add 0 at a clamped column: no host sync to find the rows.
+    grad_z_CB.scatter_add_(1, local_C.clamp(0, grad_z_CB.shape[1] - 1)[:, None],
+                           torch.where(inside_C, grad_logprobs_C, 0.0)[:, None])
 
 
 def chunk_logprobs(lm_head: torch.nn.Module, hidden_CH: Tensor, targets_C: Tensor, temperature: float) -> Tensor:
@@ -144,7 +160,7 @@ def token_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """float32 (N,) log_softmax(lm_head(h) / temperature) at `targets_N`, and with `with_entropy` the (N,) entropy of
     that distribution (else None), `chunk_tokens` positions at a time; differentiable if grad is on."""
-    if type(lm_head) is torch.nn.Linear:
+    if projects_in_blocks(lm_head):
         weight_VH, bias_V, hidden_NH = _matmul_operands(lm_head, hidden_NH)
         chunks = [ProjectedLogprobs.apply(hidden_NH[start:start + chunk_tokens], weight_VH, bias_V,
                                           targets_N[start:start + chunk_tokens], temperature, with_entropy)
