@@ -112,12 +112,13 @@ def prefix_bundles(input_ids_D: list[list[int]], max_tokens: int, pair_cost: flo
     lengths = [len(input_ids_D[i]) for i in order]
     # shared_with_previous[k]: tokens the k-th datum in order shares with the one before it.
     shared_with_previous = [0] + [common_prefix_len(input_ids_D[a], input_ids_D[b]) for a, b in zip(order, order[1:])]
-    # best[end]: the least cost of the first `end` datums in order; run_start[end]: where the last run starts.
+    # best[end]: the least cost of the first `end` datums in order; run_start[end] and run_prefix[end]: where the
+    # last run of that split starts, and its shared prefix.
     best, run_start = [0.0] * (len(order) + 1), [0] * (len(order) + 1)
-    runs_prefix = [0] * (len(order) + 1)
+    run_prefix = [0] * (len(order) + 1)
     for end in range(1, len(order) + 1):
         last = end - 1
-        best[end], run_start[end], runs_prefix[end] = best[last] + cost(lengths[last]), last, lengths[last]
+        best[end], run_start[end], run_prefix[end] = best[last] + cost(lengths[last]), last, lengths[last]
         prefix, total = lengths[last], lengths[last]
         for start in range(last - 1, -1, -1):
             prefix = min(prefix, shared_with_previous[start + 1])
@@ -128,11 +129,11 @@ def prefix_bundles(input_ids_D: list[list[int]], max_tokens: int, pair_cost: flo
             if length > max_tokens:
                 break  # and the run only grows
             if best[start] + cost(length) < best[end]:
-                best[end], run_start[end], runs_prefix[end] = best[start] + cost(length), start, prefix
+                best[end], run_start[end], run_prefix[end] = best[start] + cost(length), start, prefix
     bundles: list[PrefixBundle] = []
     end = len(order)
     while end > 0:
-        start, prefix = run_start[end], runs_prefix[end]
+        start, prefix = run_start[end], run_prefix[end]
         indices = tuple(order[start:end])
         bundles.append(PrefixBundle(indices, prefix, prefix + sum(lengths[k] - prefix for k in range(start, end))))
         end = start
