@@ -4,9 +4,9 @@ the targets, a block of vocabulary at a time, never a (tokens, vocab) buffer.
 For a plain linear head, `ProjectedLogprobs` runs the projection, the log-normaliser and the target's logit over
 vocabulary blocks (`BLOCK_ELEMENTS` logits on a CPU) and keeps only per-token numbers; its backward recomputes each
 block's logits and turns them straight into the block's share of the gradients. So the float32 logits of a chunk of
-tokens (49k per token for SmolLM2) are never written out whole: each block stays small enough to live in cache and
-to be reused from malloc's free lists, where a whole chunk's buffer is a fresh mapping that faults its pages in
-again on every call. Heads that are not a plain `nn.Linear` (adapters, quantised layers) go through the module, a
+tokens (49k per token for SmolLM2) are never written out whole: on a CPU each block is small enough to be reused
+from malloc's free lists, where a whole chunk's buffer is a fresh mapping that faults its pages in again on every
+call. Heads that are not a plain `nn.Linear` (adapters, quantised layers) go through the module, a
 chunk of tokens at a time, recomputed in backward.
 """
 
