@@ -25,15 +25,15 @@ UNSUPPORTED = ("softcap", "s_aux", "position_bias", "output_attentions")
 weights) that this path does not compute: a call with any of them set goes to sdpa."""
 
 
-def use_cpu_decode_attention(model: torch.nn.Module) -> bool:
-    """Switch a CPU model that runs sdpa to `NAME`; returns whether it did.
+def use_cpu_decode_attention(model: torch.nn.Module) -> None:
+    """Switch a CPU model that runs sdpa to `NAME`; leave any other as it is.
 
     The implementation is read from the config, which a model built from another's config shares with it (and
     the trainer's shared-prefix masks take sdpa by name), so the model first gets a config of its own: every
     submodule's config, sub-configs included, is swapped for its copy.
     """
     if model.device.type != "cpu" or model.config._attn_implementation != "sdpa":
-        return False
+        return
     copies: dict[int, object] = {}
     copy.deepcopy(model.config, copies)
     for module in model.modules():
@@ -41,7 +41,6 @@ def use_cpu_decode_attention(model: torch.nn.Module) -> bool:
         if config is not None and id(config) in copies:
             module.config = copies[id(config)]
     model.set_attn_implementation(NAME)
-    return model.config._attn_implementation == NAME
 
 
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

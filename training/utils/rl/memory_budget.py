@@ -10,8 +10,8 @@ The estimate adds up:
   `deployment.max_batch_requests` rows of the longest context it serves (`deployment.max_context_tokens`, else the
   model's positions: the engine refuses a longer prompt + completion), and the prefix cache's byte bound;
 - one training micro-batch's working set: the activations autograd keeps for `trainer.max_tokens_per_microbatch`
-  tokens (`activation_bytes_per_token`) and the vocabulary projection's float32 logits (a block of them for a plain
-  linear head, `ProjectedLogprobs`; a chunk's whole rows for any other).
+  tokens (`activation_bytes_per_token`) and the vocabulary projection's float32 logits (`projection_bytes`: a block of
+  them for a plain linear head, a chunk's whole rows for any other).
 
 To fit, the prefix cache's bound is lowered first (down to one context's keys/values, or the bound set if lower:
 the longest prompt still fits, so a row's later draws and a session's next turn still find theirs), then
@@ -35,28 +35,13 @@ from training.utils.deploy.prefix_cache import prefix_cache_bounds
 from training.utils.errors import ConfigError
 from training.utils.memory import GIB, current_rss_bytes, kv_bytes_per_token, peak_rss_bytes, storage_bytes
 from training.utils.trainer import Reference, Trainer
-from training.utils.trainer.logprob_head import block_columns, projects_in_blocks
+from training.utils.trainer.logprob_head import projection_bytes
 
 log = logging.getLogger("training")
 
 MIN_MICROBATCH_TOKENS = 256
 """The least `trainer.max_tokens_per_microbatch` the budget lowers it to (a lower setting is kept): below it a
 micro-batch is mostly the per-forward cost, and the model's own sequences seldom fit in fewer tokens."""
-
-LOGIT_BUFFERS_PER_CHUNK = 2
-"""float32 (chunk, vocab) buffers alive at once in a chunked projection's forward and backward through a head that
-is not a plain linear layer: the logits and their temperature-scaled copy, or in backward the recomputed logits and
-their gradient (measured on CPU)."""
-
-LOGIT_BUFFERS_WITH_ENTROPY = 3
-"""The same per trained token with an entropy bonus (`entropy_coef` > 0): the logits, probabilities and their
-product stay alive for every chunk until the micro-batch's backward (measured on CPU)."""
-
-LOGIT_BUFFERS_PER_BLOCK = 4
-"""float32 (chunk, block) buffers alive at once in the blocked projection's backward (`ProjectedLogprobs`, a plain
-linear head): the recomputed logits, their softmax, its gradient and its product; nothing outlives a block, with or
-without the entropy."""
-
 
 def activation_bytes_per_token(model_config, element_bytes: int, row_tokens: int, checkpointing: bool) -> int:
     """What autograd keeps per token of a decoder-only transformer's forward, for its backward.
@@ -147,19 +132,13 @@ def _working_set(cfg: RLConfig, policy: Trainer, vocab_size: int, context: int) 
     """Bytes of a training micro-batch of `tokens` tokens: activations (a row at most `context` long, the longest
     sequence served) and float32 logits."""
     element_bytes = 2 if policy.precision == "bf16" else 4  # bf16-autocast keeps float32 norms and residuals
-    chunk = policy.cfg.logprob_chunk_tokens
-    blocked = projects_in_blocks(policy.model.get_output_embeddings())
+    lm_head = policy.model.get_output_embeddings()
 
     def working_set(tokens: int) -> int:
         activations = tokens * activation_bytes_per_token(policy.model.config, element_bytes, min(tokens, context),
                                                           policy.cfg.gradient_checkpointing)
-        if blocked:
-            rows = min(chunk, tokens)
-            columns = min(vocab_size, block_columns(rows, policy.device))
-            return activations + LOGIT_BUFFERS_PER_BLOCK * rows * columns * 4
-        if cfg.entropy_coef > 0:
-            return activations + LOGIT_BUFFERS_WITH_ENTROPY * tokens * vocab_size * 4
-        return activations + LOGIT_BUFFERS_PER_CHUNK * min(chunk, tokens) * vocab_size * 4
+        return activations + projection_bytes(lm_head, tokens, policy.cfg.logprob_chunk_tokens, vocab_size,
+                                              policy.device, with_entropy_grad=cfg.entropy_coef > 0)
 
     return working_set
 

@@ -36,6 +36,30 @@ def projects_in_blocks(lm_head: torch.nn.Module) -> bool:
     return type(lm_head) is torch.nn.Linear
 
 
+BUFFERS_PER_BLOCK = 4
+"""float32 (chunk, block) buffers alive at once in `ProjectedLogprobs`' backward: the recomputed logits, their
+softmax, its gradient and its product; nothing outlives a block, with or without the entropy."""
+
+BUFFERS_PER_CHUNK = 2
+"""float32 (chunk, vocab) buffers alive at once through any other head, forward or backward: the logits and their
+temperature-scaled copy, or in backward the recomputed logits and their gradient (measured on CPU)."""
+
+BUFFERS_PER_TOKEN_WITH_ENTROPY_GRAD = 3
+"""Through any other head with the entropy's gradient: the logits, probabilities and their product stay alive
+for every chunk until the micro-batch's backward, per trained token (measured on CPU)."""
+
+
+def projection_bytes(lm_head: torch.nn.Module, tokens: int, chunk_tokens: int, vocab_size: int,
+                     device: torch.device, *, with_entropy_grad: bool) -> int:
+    """The most float32 logit bytes `token_logprobs` holds at once for a micro-batch of `tokens` positions."""
+    rows = min(chunk_tokens, tokens)
+    if projects_in_blocks(lm_head):
+        return BUFFERS_PER_BLOCK * rows * min(vocab_size, block_columns(rows, device)) * 4
+    if with_entropy_grad:
+        return BUFFERS_PER_TOKEN_WITH_ENTROPY_GRAD * tokens * vocab_size * 4
+    return BUFFERS_PER_CHUNK * rows * vocab_size * 4
+
+
 class ProjectedLogprobs(torch.autograd.Function):
     """log_softmax(h·Wᵀ (+ b) / T) at the targets, and with `with_entropy` the entropy of that distribution.
 
@@ -122,21 +146,24 @@ def _expected_z(z_CB: Tensor, logz_C: Tensor) -> Tensor:
     return ((z_CB - logz_C[:, None]).exp_() * z_CB).sum(dim=1)
 
 
+def _target_columns(targets_C: Tensor, start: int, width: int) -> tuple[Tensor, Tensor]:
+    """Each target's column within the block of `width` columns from `start` (clamped into it), and whether the
+    target falls in the block. Rows whose target lies elsewhere use the clamped column masked out, so no host
+    sync is needed to find the rows."""
+    local_C = targets_C - start
+    return local_C.clamp(0, width - 1)[:, None], (local_C >= 0) & (local_C < width)
+
+
 def _pick_targets(z_CB: Tensor, targets_C: Tensor, start: int, into_C: Tensor) -> None:
     """Write z at each target that falls in this block's columns into `into_C`."""
-    local_C = targets_C - start
-    inside_C = (local_C >= 0) & (local_C < z_CB.shape[1])
-    picked_C = z_CB.gather(1, local_C.clamp(0, z_CB.shape[1] - 1)[:, None]).squeeze(1)
-    into_C.copy_(torch.where(inside_C, picked_C, into_C))
+    column_C1, inside_C = _target_columns(targets_C, start, z_CB.shape[1])
+    into_C.copy_(torch.where(inside_C, z_CB.gather(1, column_C1).squeeze(1), into_C))
 
 
 def _add_at_targets(grad_z_CB: Tensor, targets_C: Tensor, start: int, grad_logprobs_C: Tensor) -> None:
     """grad_z[c, target_c] += grad_logprob[c] where the target falls in this block."""
-    local_C = targets_C - start
-    inside_C = (local_C >= 0) & (local_C < grad_z_CB.shape[1])
-    # Rows whose target lies elsewhere add 0 at a clamped column: no host sync to find the rows.
-    grad_z_CB.scatter_add_(1, local_C.clamp(0, grad_z_CB.shape[1] - 1)[:, None],
-                           torch.where(inside_C, grad_logprobs_C, 0.0)[:, None])
+    column_C1, inside_C = _target_columns(targets_C, start, grad_z_CB.shape[1])
+    grad_z_CB.scatter_add_(1, column_C1, torch.where(inside_C, grad_logprobs_C, 0.0)[:, None])
 
 
 def chunk_logprobs(lm_head: torch.nn.Module, hidden_CH: Tensor, targets_C: Tensor, temperature: float) -> Tensor:
