@@ -104,3 +104,14 @@ def test_no_positions_give_empty_float32():
     logprobs, entropy = token_logprobs(head, torch.randn(0, HIDDEN), torch.zeros(0, dtype=torch.long), 1.0,
                                        chunk_tokens=7, with_entropy=True)
     assert logprobs.shape == entropy.shape == (0,) and logprobs.dtype == torch.float32
+
+
+def test_projection_bytes_counts_a_block_for_a_linear_head_and_whole_rows_otherwise():
+    head = torch.nn.Linear(HIDDEN, 49152, bias=False, device="meta")
+    cpu = torch.device("cpu")
+    # 1024 rows per chunk: a block of 4M / 1024 = 4096 columns, four float32 buffers of it.
+    assert logprob_head.projection_bytes(head, 3000, 1024, 49152, cpu, with_entropy_grad=True) == 4 * 1024 * 4096 * 4
+    assert logprob_head.projection_bytes(ModuleHead(head), 3000, 1024, 49152, cpu,
+                                         with_entropy_grad=False) == 2 * 1024 * 49152 * 4
+    assert logprob_head.projection_bytes(ModuleHead(head), 3000, 1024, 49152, cpu,
+                                         with_entropy_grad=True) == 3 * 3000 * 49152 * 4
