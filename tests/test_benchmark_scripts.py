@@ -25,8 +25,8 @@ SCRIPTS = {
     "machine_peak": ([], "float32"),
     "logprob_head": (["--vocab", "300", "--hidden", "16", "--tokens", "40", "--chunk-tokens", "16", "--entropy",
                       "--repeats", "1"], "speed-up of blocked"),
-    "cpu_decode_attention": (["--model", "tiny-random", "--groups", "2", "--group-size", "2", "--max-tokens", "4",
-                              "--repeats", "1"], "cpu_decode_sdpa vs sdpa"),
+    "cpu_attention": (["--model", "tiny-random", "--groups", "2", "--group-size", "2", "--max-tokens", "4",
+                       "--repeats", "1", "--trainer-steps", "1", "--uneven-len", "24"], "uneven"),
 }
 
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from training.utils import distributed
 from training.utils.atomic_dir import replaced_directory
 from training.utils.config import TrainerConfig
+from training.utils.cpu_attention import use_cpu_attention
 from training.utils.errors import ConfigError
 from training.utils.flops import decoder_shape, forward_flops, shared_prefix_pairs
 from training.utils.lora import adapters_disabled, merged_state_dict, standalone_copy, wrap_with_lora
@@ -111,6 +112,7 @@ class Trainer:
         self.precision = resolve_precision(cfg, self.device)
         self._sharded_root: ShardedRoot | None = None
         self.compiled_layers: CompiledLayers | None = None
+        use_cpu_attention(model)  # decode and short rows as batched matmuls on a CPU (cpu_attention.py)
         self.prefix_sharing = PrefixSharing.for_model(cfg.share_prefixes, model)  # None: each datum alone
         dtype = weight_dtype(cfg, self.device)
         if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
