@@ -175,3 +175,28 @@ def test_the_trainer_runs_short_rows_here_with_logprobs_and_gradients_as_under_s
         assert max(abs(x - y) for x, y in zip(a, b)) < 2e-2
     grad_scale = max(g.abs().max() for g in sdpa_grads)
     assert max((a - b).abs().max() for a, b in zip(here_grads, sdpa_grads)) < 2e-2 * grad_scale
+
+
+def test_two_threads_inside_the_short_row_path_keep_their_own_autocast(monkeypatch):
+    """The trainer (under autocast) and the engine (without) run attention on two threads at once; neither may
+    leave the other's autocast state changed. A shared autocast context object did: the main job's next linear
+    layer then saw bf16 inputs beside float32 weights."""
+    import threading
+
+    both_inside = threading.Barrier(2, timeout=10)
+    scores = cpu_attention._scores
+    monkeypatch.setattr(cpu_attention, "_scores", lambda *a: (both_inside.wait(), scores(*a))[1])
+    query, key, value, visible = short_rows(torch.bfloat16)
+    states = {}
+
+    def attend(autocast_on: bool) -> None:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_on):
+            cpu_attention.cpu_attention(Grouped(), query, key, value, visible)
+            states[autocast_on] = torch.is_autocast_enabled("cpu")
+
+    threads = [threading.Thread(target=attend, args=(on,)) for on in (True, False)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert states == {True: True, False: False}

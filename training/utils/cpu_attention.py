@@ -128,12 +128,16 @@ class ShortRowAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    @torch.autocast("cpu", enabled=False)  # the inputs' dtype, as the backward (which autocast never sees)
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None, scale: float) -> Tensor:
-        probs = torch.softmax(_scores(query, key, visible, scale), dim=-1)
+        # The inputs' dtype, as in the backward, which autocast never sees. A context made per call: a shared
+        # one (a decorator's) keeps the state it restores on itself, and the trainer's and the engine's threads
+        # would restore each other's.
+        with torch.autocast("cpu", enabled=False):
+            probs = torch.softmax(_scores(query, key, visible, scale), dim=-1)
+            out = torch.matmul(probs.to(value.dtype), value)
         ctx.save_for_backward(query, key, value, visible)
         ctx.scale = scale
-        return torch.matmul(probs.to(value.dtype), value)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
