@@ -1,5 +1,5 @@
-"""The CPU attention paths (`training/utils/cpu_attention.py`, `cpu_sdpa`) vs torch's sdpa, side by side in one run:
-the embedded engine's decode and prefill, and the trainer's forward + backward.
+"""The CPU attention paths (`training/utils/cpu_attention.py`) vs torch's sdpa, side by side in one run: the
+embedded engine's decode and prefill (`cpu_decode_sdpa`), and the trainer's forward + backward (`cpu_sdpa`).
 
 Engine: one engine, its model's attention switched between the two before each batch, the batches alternating. A
 batch is the main job's shape by default: `--groups` prompts of `--prompt-len` random tokens, `--group-size` draws
@@ -34,7 +34,7 @@ from training.utils.deploy.engine import Engine
 from training.utils.model import load_model_and_tokenizer
 from training.utils.trainer import Trainer
 
-IMPLEMENTATIONS = {"sdpa": "sdpa", "cpu_sdpa": cpu_attention.NAME}
+IMPLEMENTATIONS = {"sdpa": "sdpa", "cpu_decode_sdpa": cpu_attention.DECODE_NAME}
 
 
 async def one_batch(engine: Engine, prompts: list[list[int]], args) -> dict:
@@ -73,8 +73,8 @@ async def run(args) -> None:
     for label, result in best.items():
         print(f"{label:<16} {result['decode_step_ms']:>15.1f} {result['prefill_s']:>10.3f} "
               f"{result['tokens_per_s']:>9.0f}")
-    old, new = best["sdpa"], best["cpu_sdpa"]
-    print(f"cpu_sdpa vs sdpa: decode step {old['decode_step_ms'] / new['decode_step_ms']:.2f}x faster, "
+    old, new = best["sdpa"], best["cpu_decode_sdpa"]
+    print(f"cpu_decode_sdpa vs sdpa: decode step {old['decode_step_ms'] / new['decode_step_ms']:.2f}x faster, "
           f"prefill {old['prefill_s'] / max(new['prefill_s'], 1e-9):.2f}x, "
           f"tokens/s {new['tokens_per_s'] / old['tokens_per_s']:.2f}x")
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import training.utils.cpu_attention as cpu_attention
 from training.utils.config import DeploymentConfig, TrainerConfig
-from training.utils.cpu_attention import NAME
+from training.utils.cpu_attention import DECODE_NAME, NAME
 from training.utils.deploy.engine import Engine
 from training.utils.model import load_model_and_tokenizer
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
@@ -129,16 +129,26 @@ def test_the_backward_keeps_no_queries_by_keys_tensor():
     assert saved and max(t.numel() for t in saved) < rows * heads * queries * queries / 4
 
 
-def test_the_engine_switches_its_own_cpu_copy_only():
+@pytest.mark.parametrize("policy_attention", ["sdpa", NAME])
+def test_the_engine_switches_its_own_cpu_copy_only_to_decode_attention(policy_attention):
+    """Also when the copy is built from a trainer's model, already switched to the trainer's implementation."""
     tokenizer = make_test_tokenizer()
     policy, _ = load_model_and_tokenizer(tiny_config(len(tokenizer)))
-    assert policy.config._attn_implementation == "sdpa"
+    if policy_attention == NAME:
+        Trainer(policy, TrainerConfig(learning_rate=1e-3))
+    assert policy.config._attn_implementation == policy_attention
     engine_model = type(policy)(policy.config)
     engine_model.load_state_dict(policy.state_dict())
     engine = Engine(engine_model, tokenizer, DeploymentConfig())
     try:
-        assert engine.model.config._attn_implementation == NAME
-        assert policy.config._attn_implementation == "sdpa"
+        assert engine.model.config._attn_implementation == DECODE_NAME
+        assert policy.config._attn_implementation == policy_attention
+        query, key, value, visible = short_rows(torch.bfloat16)
+        calls = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_attention, "short_row_attention", lambda *a: calls.append(1))
+            cpu_attention.cpu_decode_attention(Grouped(), query, key, value, visible)
+        assert not calls  # the engine's prefill stays sdpa
     finally:
         engine.close()
 

@@ -1,5 +1,5 @@
-"""Attention on the CPU for the shapes an RL run makes: one query per row (decode), and short rows (the trainer's
-micro-batches and the engine's prefill of prompts a few hundred tokens long). The rest goes to sdpa.
+"""Attention on the CPU for the shapes an RL run makes: one query per row (the engine's decode), and short rows
+(the trainer's micro-batches of prompts and their draws). The rest goes to sdpa.
 
 torch's CPU sdpa kernels tile the queries of every (row, head) pair in blocks made for long sequences. On the short
 rows of RL (a prompt and its draws, a chat turn) that tiling is most of the cost: on SmolLM2's shape, a trainer
@@ -27,24 +27,31 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "cpu_sdpa"
-"""The attention implementation CPU models of a run use (the trainer's and the engine's): sdpa's masks, and these
-paths where they apply."""
+"""The trainer's CPU attention: sdpa's masks, decode and short rows computed here."""
+
+DECODE_NAME = "cpu_decode_sdpa"
+"""The engine's CPU attention: decode computed here, prefill by sdpa (short rows measured no faster there, and
+their buffers of changing sizes left the allocator holding more)."""
 
 SHORT_ROW_KEYS = 512
 """bf16 rows with at most this many keys take the matmul path; longer ones, and float32 rows (whose sdpa kernels
 are as fast), go to sdpa (the crossover is measured in benchmarks/cpu_attention.py)."""
 
+SDPA_LIKE = ("sdpa", NAME, DECODE_NAME)
+"""The implementations a switch starts from: sdpa, or one of these (the engine's copy of a trainer's model)."""
+
 UNSUPPORTED = ("softcap", "s_aux", "position_bias", "output_attentions")
 """Attention features some models pass (logit soft-capping, attention sinks, relative position biases, returned
 weights) that these paths do not compute: a call with any of them set goes to sdpa."""
 
-def use_cpu_attention(model: torch.nn.Module) -> None:
-    """Switch a CPU model that runs sdpa to `NAME`; leave any other as it is.
+def use_cpu_attention(model: torch.nn.Module, implementation: str = NAME) -> None:
+    """Switch a CPU model that runs sdpa to `implementation` (`NAME` or `DECODE_NAME`); leave any other as it is.
 
     The implementation is read from the config, which a model built from another's config shares with it, so the
     model first gets a config of its own: every submodule's config, sub-configs included, is swapped for its copy.
     """
-    if next(model.parameters()).device.type != "cpu" or model.config._attn_implementation != "sdpa":
+    current = model.config._attn_implementation
+    if next(model.parameters()).device.type != "cpu" or current == implementation or current not in SDPA_LIKE:
         return
     copies: dict[int, object] = {}
     copy.deepcopy(model.config, copies)
@@ -52,14 +59,15 @@ def use_cpu_attention(model: torch.nn.Module) -> None:
         config = getattr(module, "config", None)
         if config is not None and id(config) in copies:
             module.config = copies[id(config)]
-    model.set_attn_implementation(NAME)
+    model.set_attn_implementation(implementation)
 
 
 def cpu_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                   attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                  is_causal: bool | None = None, **kwargs) -> tuple[Tensor, None]:
+                  is_causal: bool | None = None, short_rows: bool = True, **kwargs) -> tuple[Tensor, None]:
     """transformers' attention-function contract: (rows, heads, queries, dim) in, (rows, queries, heads, dim)
-    out. Decode and short rows on the CPU are computed here; the rest by `sdpa_attention_forward`."""
+    out. Decode, and with `short_rows` short rows, on the CPU are computed here; the rest by
+    `sdpa_attention_forward`."""
     queries, keys = query.shape[2], key.shape[2]
     # Under autocast (the trainer's bf16) sdpa would run in the autocast dtype whatever the inputs' (rotary
     # embeddings leave queries and keys float32); so does the short-row path.
@@ -69,7 +77,7 @@ def cpu_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if here and queries == 1 and query.dtype in (torch.float32, torch.bfloat16):
         return decode_attention(query, key, value, attention_mask, scaling), None
-    if (here and dtype == torch.bfloat16 and keys <= SHORT_ROW_KEYS
+    if (here and short_rows and dtype == torch.bfloat16 and keys <= SHORT_ROW_KEYS
             and (attention_mask is not None or not causal or queries == keys)):
         visible = attention_mask
         if visible is None and causal:
@@ -162,5 +170,13 @@ def _scores(query: Tensor, key: Tensor, visible: Tensor | None, scale: float) ->
     return scores
 
 
+def cpu_decode_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                         attention_mask: Tensor | None, **kwargs) -> tuple[Tensor, None]:
+    """`cpu_attention` without the short-row path: the engine's."""
+    return cpu_attention(module, query, key, value, attention_mask, short_rows=False, **kwargs)
+
+
 AttentionInterface.register(NAME, cpu_attention)
+AttentionInterface.register(DECODE_NAME, cpu_decode_attention)
 AttentionMaskInterface.register(NAME, sdpa_mask)
+AttentionMaskInterface.register(DECODE_NAME, sdpa_mask)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from training.utils.config import DeploymentConfig
-from training.utils.cpu_attention import use_cpu_attention
+from training.utils.cpu_attention import DECODE_NAME, use_cpu_attention
 from training.utils.deploy.admission import PREFILL_SPLIT_COST_TOKENS, admit, split_by_length
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.decode import KVBatch, usable_prefix_lengths
@@ -74,7 +74,7 @@ class Engine:
     def __init__(self, model, tokenizer, cfg: DeploymentConfig, *, default_timeout_s: float = 300.0):
         self.model = model.eval()
         self.model.requires_grad_(False)
-        use_cpu_attention(self.model)
+        use_cpu_attention(self.model, DECODE_NAME)
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.default_timeout_s = float(default_timeout_s)
