@@ -44,6 +44,7 @@ UNSUPPORTED = ("softcap", "s_aux", "position_bias", "output_attentions")
 """Attention features some models pass (logit soft-capping, attention sinks, relative position biases, returned
 weights) that these paths do not compute: a call with any of them set goes to sdpa."""
 
+
 def use_cpu_attention(model: torch.nn.Module, implementation: str = NAME) -> None:
     """Switch a CPU model that runs sdpa to `implementation` (`NAME` or `DECODE_NAME`); leave any other as it is.
 
@@ -106,7 +107,7 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: 
 
 def short_row_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None,
                         scaling: float | None) -> Tensor:
-    """Rows of a few dozen to a hundred-odd keys: (rows, heads, queries, dim) in, (rows, queries, heads, dim) out.
+    """Rows of up to `SHORT_ROW_KEYS` keys: (rows, heads, queries, dim) in, (rows, queries, heads, dim) out.
     `visible` (bool, broadcastable to (rows, 1, queries, keys)) marks the keys each query attends to; None: all.
     A query that sees no key (a padded position) gets 0 and passes no gradient back."""
     rows, heads, queries, dim = query.shape
