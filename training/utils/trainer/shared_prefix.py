@@ -22,15 +22,16 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from training.utils.cpu_attention import DECODE_NAME, NAME
+from training.utils.cpu_attention import NAME
 from training.utils.errors import ConfigError
 
 MIN_SHARED_TOKENS = 8
 """The shortest common prefix that forms a shared row; shorter ones save less than the 4-D mask costs."""
 
-MASK_FORMS = {"sdpa": "bool", NAME: "bool", DECODE_NAME: "bool", "eager": "additive", "flex_attention": "block"}
+MASK_FORMS = {"sdpa": "bool", NAME: "bool", "eager": "additive", "flex_attention": "block"}
 """The attention implementations that take a custom mask, and the form each takes. Flash-attention
-kernels only separate sequences by position ids restarting at 0, which a suffix's do not."""
+kernels only separate sequences by position ids restarting at 0, which a suffix's do not. (The engine's
+`cpu_decode_sdpa` is not here: a trainer switches any sdpa-like CPU model to `cpu_sdpa` first.)"""
 
 
 @dataclass(frozen=True)
