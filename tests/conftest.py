@@ -1,6 +1,9 @@
 """Shared test setup: tests use tiny models, where one intra-op thread beats two on a 2-core box."""
 
-import os
+# `training` before torch, as users are told to: it sets OpenMP's wait policy (training/utils/openmp.py).
+import os  # noqa: I001
+
+import training  # noqa: F401
 
 import pytest
 import torch

@@ -16,6 +16,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from training.utils import openmp
+
+# Before anything imports torch: libgomp reads these once, when torch loads it (training/utils/openmp.py).
+openmp.apply_at_import()
+
 __version__ = "0.1.0"
 
 PUBLIC_NAMES: dict[str, str] = {

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from training.utils import cpu_share
 from training.utils.config import DeploymentConfig
 from training.utils.cpu_attention import DECODE_NAME, use_cpu_attention
 from training.utils.deploy.admission import PREFILL_SPLIT_COST_TOKENS, admit, split_by_length
@@ -253,6 +254,7 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        on_cpu = self.model.device.type == "cpu"
         try:
             while True:
                 with self._wake:
@@ -269,6 +271,8 @@ class Engine:
                     if update is not None:
                         self._apply_update(update)
                     self._drop_cancelled_rows()
+                    if on_cpu:
+                        cpu_share.take_engine_threads()  # half of them while a trainer computes beside it
                     with torch.inference_mode():
                         if admitted:
                             self._timed("prefill_time_s", self._prefill, admitted)

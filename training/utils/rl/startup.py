@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from training.utils import openmp
 from training.utils.checkpoint import load_latest_verified, load_weights
 from training.utils.config import DeploymentConfig, RLConfig
 from training.utils.deploy import Deployment, start_deployment
@@ -50,7 +51,11 @@ def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference 
         log.warning("trainer.warmup_steps=%d is longer than the run's %d planned optimizer steps (%d batches x "
                     "ppo_epochs x ppo_minibatches): the learning rate never reaches trainer.learning_rate",
                     trainer_cfg.warmup_steps, optimizer_steps, total_steps)
-    model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weight_dtype(cfg.trainer, default_device()))
+    device = default_device()
+    notice = openmp.import_time_notice() if device.type == "cpu" else None
+    if notice:
+        log.warning(notice)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weight_dtype(cfg.trainer, device))
     identity = model_identity(cfg.model, model)  # before LoRA wraps and FSDP shards it
     if trainer_cfg.total_steps is None:
         trainer_cfg = trainer_cfg.model_copy(update={"total_steps": optimizer_steps})

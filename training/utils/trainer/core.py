@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from training.utils import distributed
+from training.utils import cpu_share, distributed
 from training.utils.atomic_dir import replaced_directory
 from training.utils.config import TrainerConfig
 from training.utils.cpu_attention import use_cpu_attention
@@ -232,6 +232,7 @@ class Trainer:
         entropy_BT = _scatter(entropy_N, batch.positions, batch.shape) if with_entropy else None
         return logprobs_BT, entropy_BT
 
+    @cpu_share.trainer_compute
     @torch.no_grad()
     def logprobs(
         self, datums: list[Datum], temperature: float = 1.0, *, with_entropy: bool = False
@@ -272,6 +273,7 @@ class Trainer:
 
     # ---- training ---------------------------------------------------------------------
 
+    @cpu_share.trainer_compute
     def forward_backward(
         self,
         datums: list[Datum],
@@ -358,6 +360,7 @@ class Trainer:
             if p.grad is not None:
                 p.grad.div_(denominator)
 
+    @cpu_share.trainer_compute
     def optim_step(self) -> dict[str, float]:
         """Clip and apply the accumulated gradient, or skip the step; then zero the gradient.
 

@@ -1,0 +1,124 @@
+"""While a trainer computes on the CPU, the embedded engine runs half of its torch threads; otherwise all of
+them, and the trainer always all of its own (training/utils/cpu_share.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from engine_support import peaked_tiny
+from training.utils import cpu_share
+from training.utils.config import DeploymentConfig, TrainerConfig
+from training.utils.deploy import Engine
+from training.utils.model import load_model_and_tokenizer
+from training.utils.tiny_model import tiny_config
+from training.utils.trainer import Datum, Trainer
+
+
+def _on_fresh_thread(fn):
+    """`fn()` on a new thread (torch's thread count is per thread, and so is the share's memory of it)."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=120)
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+FULL = 2
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """Threads started now run FULL torch threads (the suite runs one: conftest.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(FULL)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_engine_takes_half_only_while_a_trainer_computes():
+    class CpuTrainer:
+        device = torch.device("cpu")
+
+        @cpu_share.trainer_compute
+        def compute(self):
+            return cpu_share.trainer_computing(), cpu_share.engine_threads()
+
+    class GpuTrainer(CpuTrainer):
+        device = torch.device("cuda")
+
+    def counts():
+        return cpu_share.engine_threads(), CpuTrainer().compute(), GpuTrainer().compute(), cpu_share.engine_threads()
+
+    assert _on_fresh_thread(counts) == (FULL, (True, FULL // 2), (False, FULL), FULL)
+    assert not cpu_share.trainer_computing()
+
+
+def _tiny_trainer() -> Trainer:
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer(tiny_config(260), device="cpu")
+    return Trainer(model, TrainerConfig(learning_rate=1e-3, precision="fp32"))
+
+
+def _datums() -> list[Datum]:
+    return [Datum(input_ids=[1, 2, 3, 4, 5, 6], target_ids=[2, 3, 4, 5, 6, 7], weights=[0, 0, 1, 1, 1, 1],
+                  behaviour_logprobs=[0.0] * 6, advantage=1.0, prompt_len=2) for _ in range(2)]
+
+
+def test_the_trainer_counts_as_computing_and_keeps_every_thread():
+    trainer = _tiny_trainer()
+    seen = []
+
+    def loss_fn(logprobs, mb):
+        seen.append((torch.get_num_threads(), cpu_share.trainer_computing()))
+        return -(logprobs * mb.weights).sum() / mb.num_tokens_total, {}
+
+    def train():
+        torch.set_num_threads(FULL)
+        trainer.forward_backward(_datums(), loss_fn)
+
+    _on_fresh_thread(train)
+    assert seen and set(seen) == {(FULL, True)}
+    assert not cpu_share.trainer_computing()
+
+
+def _engine_threads_while_generating() -> set[int]:
+    """The torch threads the engine's forwards ran on in one small generation."""
+    model, tokenizer = peaked_tiny(0)
+    engine = Engine(model, tokenizer, DeploymentConfig(max_batch_requests=4))
+    seen = set()
+
+    def hook(module, args):
+        seen.add(torch.get_num_threads())
+
+    handle = engine.model.register_forward_pre_hook(hook)
+    try:
+        async def generate():
+            async with asyncio.timeout(60):
+                return await asyncio.gather(*[engine.generate([5, 6, 7], n=2, max_tokens=6, temperature=1.0)
+                                              for _ in range(3)])
+
+        asyncio.run(generate())
+    finally:
+        handle.remove()
+        engine.close()
+    return seen
+
+
+@pytest.mark.parametrize("trainer_computing", [True, False])
+def test_the_engine_shares_the_cores_only_while_the_trainer_computes(trainer_computing, monkeypatch):
+    if trainer_computing:  # what a trainer's computing call on another thread holds
+        monkeypatch.setattr(cpu_share, "_trainer_calls", 1)
+    assert _engine_threads_while_generating() == {FULL // 2 if trainer_computing else FULL}

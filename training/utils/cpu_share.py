@@ -1,0 +1,66 @@
+"""The embedded engine and the trainer on one CPU: while the trainer computes, the engine runs half its threads.
+
+Why: each of them runs torch on a thread of its own, and torch gives every thread all the cores
+(OpenMP, one thread per core). When both compute at once that is twice as many threads as cores,
+and OpenMP's workers, which spin between operators (`openmp.py`), spin on cores the other side
+needs. The trainer is the one a step waits for (in `async_rl_loop` the engine samples the next
+batch while it trains), so it keeps all its threads, and the engine, before each prefill or decode
+step, takes half of its own (one on a 2-core machine) if the trainer is computing, all of them if
+not. Halving the trainer's threads too while the engine works was measured slower where training
+dominates the step (float32), and a fixed split of the cores slower still (benchmarks/RESULTS.md,
+"OpenMP workers that sleep between operators"; docs/cpu-sharing.md).
+
+Only CPU work takes part: a trainer or engine on a GPU never counts, and an engine with no trainer
+computing beside it (`rl_loop` samples between training steps) runs all its threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_trainer_calls = 0  # the trainer's computing calls in progress, across threads
+_own = threading.local()  # `full`: the thread count the engine's thread had before it first shared
+
+
+def trainer_computing() -> bool:
+    """Whether a trainer is computing on the CPU now (a snapshot)."""
+    return _trainer_calls > 0
+
+
+def trainer_compute(method):
+    """Decorates a `Trainer` method that computes: the trainer counts as computing throughout (on a CPU;
+    `self.device` tells)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        global _trainer_calls
+        if self.device.type != "cpu":
+            return method(self, *args, **kwargs)
+        with _lock:
+            _trainer_calls += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            with _lock:
+                _trainer_calls -= 1
+
+    return wrapper
+
+
+def engine_threads() -> int:
+    """The torch threads the engine's thread (the caller) should run its next step on."""
+    full = getattr(_own, "full", None)
+    if full is None:
+        full = _own.full = torch.get_num_threads()
+    return max(1, full // 2) if trainer_computing() else full
+
+
+def take_engine_threads() -> None:
+    """Set the calling engine thread's torch threads to `engine_threads()` (torch's count is per thread)."""
+    threads = engine_threads()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
