@@ -32,7 +32,7 @@ It prints samples/s per variant and seed, the ratio to rl_loop of the same seed,
 reward over the first and second half of the steps, then the mean reward per step over the seeds.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - `training` before torch, as the examples import it
 
 import argparse
 import asyncio
@@ -43,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import training  # noqa: F401 - sets OpenMP's wait policy first (training/utils/openmp.py)
 import numpy as np
 import torch
 import transformers

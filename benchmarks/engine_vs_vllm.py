@@ -13,7 +13,7 @@ two run one after the other, never at once.
     python benchmarks/engine_vs_vllm.py --requests 16 --max-tokens 32   # a quick look
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - `training` before torch, as the examples import it
 
 import argparse
 import asyncio
@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import training  # noqa: F401 - sets OpenMP's wait policy first (training/utils/openmp.py)
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]

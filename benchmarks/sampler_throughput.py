@@ -19,7 +19,7 @@ into same-dtype copies of the engine's, on the same device: the copy bandwidth i
 `--decode-steps` picks the engine's decode steps (default: CUDA graphs on a GPU, eager on CPU).
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - `training` before torch, as the examples import it
 
 import argparse
 import asyncio
@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 
+import training  # noqa: F401 - sets OpenMP's wait policy first (training/utils/openmp.py)
 import torch
 
 from training.utils.config import DeploymentConfig

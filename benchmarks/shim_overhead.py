@@ -31,7 +31,7 @@ with a fixed `max_tokens`, so both paths generate the same tokens for the same p
     python benchmarks/shim_overhead.py --model smollm2-135m-instruct --max-tokens 4 --sessions 200
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - `training` before torch, as the examples import it
 
 import argparse
 import asyncio
@@ -41,6 +41,7 @@ import signal
 import sys
 import time
 
+import training  # noqa: F401 - sets OpenMP's wait policy first (training/utils/openmp.py)
 import aiohttp
 import numpy as np
 import torch
