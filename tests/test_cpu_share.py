@@ -51,6 +51,7 @@ def two_threads():
 def test_the_engine_takes_half_only_while_a_trainer_computes():
     class CpuTrainer:
         device = torch.device("cpu")
+        cpu_threads = FULL
 
         @cpu_share.trainer_compute
         def compute(self):
@@ -92,6 +93,21 @@ def test_the_trainer_counts_as_computing_and_keeps_every_thread():
     _on_fresh_thread(train)
     assert seen and set(seen) == {(FULL, True)}
     assert not cpu_share.trainer_computing()
+
+
+def test_a_trainer_thread_that_starts_while_the_engine_runs_half_still_gets_every_thread():
+    trainer = _tiny_trainer()  # built while torch's default is FULL
+    seen = []
+
+    def loss_fn(logprobs, mb):
+        seen.append(torch.get_num_threads())
+        return -(logprobs * mb.weights).sum() / mb.num_tokens_total, {}
+
+    # What the engine's switch to half does to the default a new thread starts with.
+    _on_fresh_thread(lambda: torch.set_num_threads(FULL // 2))
+    assert _on_fresh_thread(torch.get_num_threads) == FULL // 2
+    _on_fresh_thread(lambda: trainer.forward_backward(_datums(), loss_fn))
+    assert seen and set(seen) == {FULL}
 
 
 def _engine_threads_while_generating() -> set[int]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from training.utils import openmp
 
-# Before anything imports torch: libgomp reads these once, when torch loads it (training/utils/openmp.py).
+# Before anything imports torch: load its OpenMP runtime with a wait policy (training/utils/openmp.py).
 openmp.apply_at_import()
 
 __version__ = "0.1.0"

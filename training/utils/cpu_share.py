@@ -32,8 +32,12 @@ def trainer_computing() -> bool:
 
 
 def trainer_compute(method):
-    """Decorates a `Trainer` method that computes: the trainer counts as computing throughout (on a CPU;
-    `self.device` tells)."""
+    """Decorates a `Trainer` method that computes: on a CPU (`self.device`), the trainer counts as computing
+    throughout, on `self.cpu_threads` threads.
+
+    Why set them: `torch.set_num_threads` on the engine's thread also changes the count a thread starts
+    with when it first runs torch, so a trainer thread whose first call came while the engine ran half
+    would keep half."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -43,6 +47,8 @@ def trainer_compute(method):
         with _lock:
             _trainer_calls += 1
         try:
+            if torch.get_num_threads() != self.cpu_threads:
+                torch.set_num_threads(self.cpu_threads)
             return method(self, *args, **kwargs)
         finally:
             with _lock:
@@ -52,7 +58,11 @@ def trainer_compute(method):
 
 
 def engine_threads() -> int:
-    """The torch threads the engine's thread (the caller) should run its next step on."""
+    """The torch threads the engine's thread (the caller) should run its next step on.
+
+    Its first call remembers the thread's count as the engine's full share. A thread that first runs
+    torch while the engine runs half starts with half too (torch's default follows its last
+    `set_num_threads`); the trainer resets its own (`trainer_compute`)."""
     full = getattr(_own, "full", None)
     if full is None:
         full = _own.full = torch.get_num_threads()

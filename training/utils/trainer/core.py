@@ -103,6 +103,7 @@ class Trainer:
         self.last_skip_reason: str | None = None
         """Why the last skipped step was skipped (a non-finite gradient norm, an update that overflowed)."""
         self.device = next(model.parameters()).device
+        self.cpu_threads = torch.get_num_threads()  # its CPU work's threads: the count when built (cpu_share)
         self.flop_shape = decoder_shape(model.config)  # None: a model whose FLOPs are not counted
         self.flops = 0.0
         """Model FLOPs of the micro-batches this process ran, forwards and backwards (`_count_flops`)."""
