@@ -55,13 +55,14 @@ def test_the_engine_takes_half_only_while_a_trainer_computes():
 
         @cpu_share.trainer_compute
         def compute(self):
-            return cpu_share.trainer_computing(), cpu_share.engine_threads()
+            return cpu_share.trainer_computing(), cpu_share.engine_threads(FULL)
 
     class GpuTrainer(CpuTrainer):
         device = torch.device("cuda")
 
     def counts():
-        return cpu_share.engine_threads(), CpuTrainer().compute(), GpuTrainer().compute(), cpu_share.engine_threads()
+        before, cpu, gpu = cpu_share.engine_threads(FULL), CpuTrainer().compute(), GpuTrainer().compute()
+        return before, cpu, gpu, cpu_share.engine_threads(FULL)
 
     assert _on_fresh_thread(counts) == (FULL, (True, FULL // 2), (False, FULL), FULL)
     assert not cpu_share.trainer_computing()

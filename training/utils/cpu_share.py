@@ -23,7 +23,6 @@ import torch
 
 _lock = threading.Lock()
 _trainer_calls = 0  # the trainer's computing calls in progress, across threads
-_own = threading.local()  # `full`: the thread count the engine's thread had before it first shared
 
 
 def trainer_computing() -> bool:
@@ -57,20 +56,16 @@ def trainer_compute(method):
     return wrapper
 
 
-def engine_threads() -> int:
-    """The torch threads the engine's thread (the caller) should run its next step on.
+def engine_threads(full: int) -> int:
+    """The torch threads an engine whose full share is `full` should run its next step on.
 
-    Its first call remembers the thread's count as the engine's full share. A thread that first runs
-    torch while the engine runs half starts with half too (torch's default follows its last
-    `set_num_threads`); the trainer resets its own (`trainer_compute`)."""
-    full = getattr(_own, "full", None)
-    if full is None:
-        full = _own.full = torch.get_num_threads()
+    A thread that first runs torch while the engine runs half starts with half too (torch's default
+    follows its last `set_num_threads`); the trainer resets its own (`trainer_compute`)."""
     return max(1, full // 2) if trainer_computing() else full
 
 
-def take_engine_threads() -> None:
-    """Set the calling engine thread's torch threads to `engine_threads()` (torch's count is per thread)."""
-    threads = engine_threads()
+def take_engine_threads(full: int) -> None:
+    """Set the calling engine thread's torch threads to `engine_threads(full)` (torch's count is per thread)."""
+    threads = engine_threads(full)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

@@ -71,8 +71,9 @@ def apply_at_import() -> None:
     """What `training/__init__.py` runs first: load torch's libgomp with `WAIT_POLICY_ENV` in the environment
     if nothing rules it out, then restore the environment; why not is kept in `not_set_because`."""
     global not_set_because
-    libgomp = bundled_libgomp() if "torch" not in sys.modules else None
-    not_set_because = wait_policy_blocker(os.environ, "torch" in sys.modules, sys.platform, libgomp)
+    torch_loaded = "torch" in sys.modules
+    libgomp = None if torch_loaded else bundled_libgomp()
+    not_set_because = wait_policy_blocker(os.environ, torch_loaded, sys.platform, libgomp)
     if not_set_because is not None:
         return
     os.environ.update(WAIT_POLICY_ENV)

@@ -255,6 +255,7 @@ class Engine:
 
     def _run(self) -> None:
         on_cpu = self.model.device.type == "cpu"
+        full_threads = torch.get_num_threads()  # this thread's share when no trainer computes beside it
         try:
             while True:
                 with self._wake:
@@ -272,7 +273,7 @@ class Engine:
                         self._apply_update(update)
                     self._drop_cancelled_rows()
                     if on_cpu:
-                        cpu_share.take_engine_threads()  # half of them while a trainer computes beside it
+                        cpu_share.take_engine_threads(full_threads)  # half while a trainer computes
                     with torch.inference_mode():
                         if admitted:
                             self._timed("prefill_time_s", self._prefill, admitted)
