@@ -50,6 +50,25 @@ def test_local_directory_round_trip(tmp_path):
     assert loaded_tok.chat_template == tokenizer.chat_template
 
 
+def test_loaded_weights_do_not_depend_on_the_file_they_came_from(tmp_path):
+    """safetensors maps the file: a weight left in that mapping would change when the file is rewritten in place
+    (anything on the machine that can write the model cache, an agent's shell included), and its first update
+    would copy it page by page. The loaded model owns its memory instead."""
+    model, tokenizer = load_model_and_tokenizer("tiny-random")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, _ = load_model_and_tokenizer(str(tmp_path))
+    before = {name: p.detach().clone() for name, p in loaded.named_parameters()}
+    weights_file = tmp_path / "model.safetensors"
+    header_bytes = 8 + int.from_bytes(weights_file.read_bytes()[:8], "little")
+    with weights_file.open("r+b") as f:  # every tensor's bytes overwritten in place: NaNs in float32
+        f.seek(header_bytes)
+        f.write(b"\xff" * (weights_file.stat().st_size - header_bytes))
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert loaded.model.embed_tokens.weight is loaded.lm_head.weight or not loaded.config.tie_word_embeddings
+
+
 def test_unknown_name_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="neither a known alias .*, a local directory, nor a Hugging Face Hub id"):
         load_model_and_tokenizer(str(tmp_path / "missing"))

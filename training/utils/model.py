@@ -229,6 +229,22 @@ def load_tokenizer(name_or_path):
     return tokenizer
 
 
+@torch.no_grad()
+def own_memory(model: torch.nn.Module) -> None:
+    """Copy every CPU parameter and buffer into memory of the process's own, one tensor at a time.
+
+    Why: safetensors maps the weights file, and transformers keeps the tensors it loads in their stored dtype as
+    views of that mapping. Such a weight follows the file: whatever rewrites the model cache in place (any process
+    of the same user, the agent being trained if it has a shell) changes it, and truncating the file kills the
+    run with SIGBUS. A weight never written (a frozen base under LoRA) stays so for the whole run. The mapping is
+    private, so the first write to each page (the first optimizer step) also copies the weights page by page,
+    much slower than one copy up front (benchmarks/RESULTS.md, "Weights mapped from the model file").
+    Tied weights stay tied: the copy replaces each tensor's data in place."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "cpu":
+            tensor.data = tensor.data.clone()
+
+
 def load_model_and_tokenizer(name_or_path, dtype: torch.dtype | None = None, device=None):
     """Return `(model, tokenizer)`; float32 on CPU and bfloat16 on CUDA unless `dtype` says otherwise.
 
@@ -255,6 +271,8 @@ def load_model_and_tokenizer(name_or_path, dtype: torch.dtype | None = None, dev
             AutoModelForCausalLM, resolve_model_source(name_or_path), dtype=dtype, attn_implementation="sdpa"
         )
     model.to(device)
+    if device.type == "cpu":
+        own_memory(model)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
