@@ -92,6 +92,15 @@ def test_short_bf16_rows_match_sdpa_in_float64_outputs_and_gradients(inputs):
     assert got[0][1, 9:].abs().max() == 0 and got[1][1, :, 9:].abs().max() == 0  # padded queries: 0, no gradient
 
 
+def test_short_rows_trace_as_one_graph_under_torch_compile():
+    """`trainer.compile_layers` compiles each decoder layer: a host sync inside the attention (the check for
+    queries that see no key) would split every layer into two graphs and lose most of what compiling fuses."""
+    query, key, value, visible = short_rows(torch.bfloat16)
+    explained = torch._dynamo.explain(cpu_attention.short_row_attention)(query, key, value, visible, None)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
 def test_float32_rows_and_longer_rows_go_to_sdpa(monkeypatch):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -116,7 +116,8 @@ def short_row_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tens
     if visible is not None:
         blind_R1Q1 = ~visible.any(dim=-1, keepdim=True)
         # Its softmax would be 0/0; it attends to every key instead and its output is zeroed.
-        visible = visible | blind_R1Q1 if bool(blind_R1Q1.any()) else visible
+        if torch.compiler.is_compiling() or bool(blind_R1Q1.any()):  # compiled: no host sync, no graph break
+            visible = visible | blind_R1Q1
     # A key/value head's group of query heads as one matrix of group × queries rows: no repeated keys.
     query_RKQD = query.reshape(rows, kv_heads, heads // kv_heads * queries, dim)
     visible_R1GQK = None if visible is None else visible[:, :, None]
