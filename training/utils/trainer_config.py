@@ -57,10 +57,11 @@ class TrainerConfig(StrictModel):
     """Recompute activations in the backward pass to save memory."""
     compile_layers: bool = False
     """`torch.compile` each decoder layer (dynamic shapes): fuses the norms, rotary embedding, activation and
-    residual adds, which a GPU otherwise runs as separate memory-bound kernels. The first call compiles (all layers
-    share one compilation); results match eager to float rounding. The first micro-batch of logprobs and of
-    training each runs compiled and eager too: if the compiled pass raises or its logprobs disagree beyond
-    rounding, the trainer warns once and runs the layers eagerly from then on."""
+    residual adds, which otherwise run as separate memory-bound kernels. The first call compiles (all layers
+    share one compilation; on a CPU it needs a C++ compiler, and pays off only in runs long enough to repay
+    the compile time: benchmarks/RESULTS.md); results match eager to float rounding. The first micro-batch
+    of logprobs and of training each runs compiled and eager too: if the compiled pass raises or its logprobs
+    disagree beyond rounding, the trainer warns once and runs the layers eagerly from then on."""
     logprob_chunk_tokens: int = Field(1024, gt=0)
     """Tokens per chunk of the vocabulary projection that turns hidden states into logprobs. A plain linear head
     computes each chunk a block of vocabulary at a time (4M float32 logits a block on a CPU, 32M on a GPU); any
