@@ -270,9 +270,9 @@ def load_model_and_tokenizer(name_or_path, dtype: torch.dtype | None = None, dev
         model = load_pretrained(
             AutoModelForCausalLM, resolve_model_source(name_or_path), dtype=dtype, attn_implementation="sdpa"
         )
+        if device.type == "cpu":  # a model built from a config holds no file's memory
+            own_memory(model)
     model.to(device)
-    if device.type == "cpu":
-        own_memory(model)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
