@@ -381,16 +381,26 @@ def test_a_request_in_flight_during_a_sync(server, smollm2, inflight):
                 in_flight["sync_start"] = time.monotonic()
                 return path
 
+            resume = dep.weight_sync._resume
+
+            async def note_the_resume(admin):
+                # The sync still reads back the served version after the resume, and the request can finish in
+                # that time: "continued after the sync" means after the resume was asked for.
+                in_flight["resume_start"] = time.monotonic()
+                await resume(admin)
+
             dep.weight_sync._steps.write = write_then_start_the_request
+            dep.weight_sync._resume = note_the_resume
             await asyncio.wait_for(dep.weight_sync.sync(new.state_dict(), 2), 180)
             sync_end, sync_start = time.monotonic(), in_flight["sync_start"]
+            resume_start = in_flight["resume_start"]
             completions = await asyncio.wait_for(in_flight["request"], TEST_TIMEOUT_S)
             await check_serves(dep, tok, new, model)
         finally:
             await dep.close()
-        return completions, sync_start, sync_end
+        return completions, sync_start, resume_start, sync_end
 
-    completions, sync_start, sync_end = run(main())
+    completions, sync_start, resume_start, sync_end = run(main())
     fits, splits = [], []
     for c in completions:
         assert (len(c["ids"]), c["finish"]) == (max_tokens, "length")
@@ -404,7 +414,7 @@ def test_a_request_in_flight_during_a_sync(server, smollm2, inflight):
             continue
         split = best_split(off_old, off_new)
         assert before_sync <= streamed_before <= split < max_tokens, (streamed_before, split)
-        assert sync_end < c["times"][-1], "the request did not continue after the sync"
+        assert resume_start < c["times"][-1], "the request did not continue after the sync resumed the server"
         old_after, new_before = off_old[split:].mean().item(), off_new[:split].mean().item()
         assert CHANGED_NATS < min(old_after, new_before), (
             f"around token {split} the old and new weights are not told apart: the old weights are {old_after:.3f} "
