@@ -74,6 +74,16 @@ def test_error_classification(exc, recoverable):
     assert is_recoverable(exc) is recoverable
 
 
+def test_openai_transport_errors_are_recoverable():
+    import httpx
+    import openai  # a rollout that speaks openai has imported it; the classifier does not import it for everyone
+
+    request = httpx.Request("POST", "http://127.0.0.1:1/v1/chat/completions")
+    assert is_recoverable(openai.APIConnectionError(request=request))
+    assert is_recoverable(openai.APITimeoutError(request=request))
+    assert not is_recoverable(openai.BadRequestError("bad", response=httpx.Response(400, request=request), body=None))
+
+
 def draw(fn, timeout_s=5.0):
     return asyncio.run(run_draw(fn, {}, CTX, (), row_id="q1", draw_index=0, vocab_size=10, timeout_s=timeout_s))
 

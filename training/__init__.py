@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from training.utils import openmp
+from training.utils import collector, openmp
 
 # Before anything imports torch: load its OpenMP runtime with a wait policy (training/utils/openmp.py).
 openmp.apply_at_import()
@@ -63,7 +63,8 @@ def __getattr__(name: str) -> Any:
     module = PUBLIC_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module 'training' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    with collector.paused():  # importing torch and transformers makes nothing worth collecting (utils/collector.py)
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -42,6 +42,7 @@ import torch
 from training.utils import distributed
 from training.utils.atomic_dir import check_replaceable
 from training.utils.checkpoint import latest_checkpoint, save_checkpoint
+from training.utils.collector import freeze_objects_alive_now
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment
 from training.utils.errors import ConfigError, EvaluationTimeoutError, NothingTrainedError, SkippedStepsError
@@ -296,6 +297,7 @@ def run_abandoning_stragglers(main: Coroutine[Any, Any, T], *, grace_s: float | 
 
 async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], rollout_fn_factory, *,
                      evaluation_fn, rollout_extras, **loop_kwargs) -> dict[str, Any]:
+    freeze_objects_alive_now()  # what imports left stays out of every later collection (training/utils/collector.py)
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     total_steps = cfg.planned_steps(len(rows))
