@@ -7,10 +7,11 @@ weights (the data cursor, ...). `recipe_main(loop, Config)` makes the recipe's `
 same for both recipes:
 
 0. the lock on `log_path` (`run_lock.py`: one run per directory), a check that `output_dir` may be
-   replaced; seeds; what `startup.py` prepares (trainers, a resume refused if the settings it was written
-   under changed (`resume.py`), or else a warm start; the deployment, the agent shim, the rollout
-   setup); the run state β (`train_step.KLCoefficient`); the trainer thread, which under torchrun
-   the other ranks only follow; the ledger, the user's rollout function; evaluation before the
+   replaced; what is alive frozen out of the cyclic garbage collector (`collector.py`); seeds;
+   what `startup.py` prepares (trainers, a resume refused if the settings it was written under
+   changed (`resume.py`), or else a warm start; the deployment, the agent shim, the rollout setup);
+   the run state β (`train_step.KLCoefficient`); the trainer thread, which under torchrun the other
+   ranks only follow; the ledger, the user's rollout function; evaluation before the
    first step;
 1. the recipe's loop, with a watchdog that stops the run when the event loop stops turning
    (`loop_watchdog.py`); after each step: evaluation, ledger, run health, a stop when too many
@@ -254,7 +255,11 @@ def recipe_main(loop: Loop, config_class: type[RLConfig]) -> Callable[..., dict[
         evaluation_fn: Callable | None = None,
         rollout_extras: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Train, resuming from the newest checkpoint if there is one; returns a summary of the run."""
+        """Train, resuming from the newest checkpoint if there is one; returns a summary of the run.
+
+        The objects alive when it starts stay frozen out of Python's cyclic garbage collector afterwards
+        (`gc.freeze`, training/utils/collector.py): a reference cycle among them that becomes garbage later is
+        freed when the next run starts, or at exit."""
         if not isinstance(cfg, config_class):
             raise ConfigError(f"{loop.__module__}.main() needs a {loop.__module__}.Config, got "
                               f"{type(cfg).__module__}.{type(cfg).__name__}; build it from the recipe you import")
