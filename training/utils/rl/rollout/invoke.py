@@ -89,7 +89,7 @@ def is_recoverable(exc: BaseException) -> bool:
     if isinstance(status, int) and (status in _RETRYABLE_HTTP_STATUS or status >= 500):
         return True
     # An openai error reaches here only from a rollout that imported openai, so a run whose rollouts never do
-    # need not import it (a fifth of a second at start-up).
+    # does not pay for importing it.
     openai = sys.modules.get("openai")
     openai_errors = (openai.APIConnectionError, openai.APITimeoutError) if openai is not None else ()
     return isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError, *openai_errors))
