@@ -188,6 +188,16 @@ def test_the_probes_measure_something():
     assert machine_peak.copy_bandwidth(cpu, nbytes=1 << 20) > 0
 
 
+def test_the_probe_leaves_the_runs_random_draws_alone():
+    """The probe runs inside a seeded run the first time a machine starts one: drawing its matrices from torch's
+    global generator made that run sample differently from every later run on a cached machine."""
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    machine_peak.gemm_flops(torch.device("cpu"), torch.bfloat16, size=64)
+    assert torch.equal(torch.rand(4), expected)
+
+
 # ---- per-step metrics ---------------------------------------------------------------------------------------------
 
 

@@ -159,7 +159,10 @@ def write_cache(path: Path, entries: dict[str, dict]) -> None:
 def gemm_flops(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:
     """FLOP/s of the fastest of `REPS` square matmuls of `size` in `dtype`, after `WARMUPS`."""
     size = size or GEMM_SIZE.get(device.type, GEMM_SIZE["cpu"])
-    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    # A generator of its own: the probe runs inside a seeded run, on its first start only, and drawing from
+    # torch's global one would make that run's samples differ from every later run's.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(size, size, device=device, generator=generator).to(dtype) for _ in range(2))
     return 2 * size**3 / best_time(lambda: torch.matmul(a, b), device)
 
 
