@@ -15,8 +15,9 @@ imports leave"). Two places pay for that, and each gets its remedy here:
 What it froze stays frozen when the run returns, because that is what makes the interpreter's exit
 quick. The cost: an object alive when the run started that later becomes unreachable inside a
 reference cycle is freed when the next run in the same process starts (which unfreezes, collects
-and freezes again), or when the process exits. Objects freed by reference counting, the great
-majority, are freed as before, and the run's own objects (model, optimizer, engine) are made
+and freezes again). If the process exits first, its memory goes back with the process, but its
+`__del__` method does not run (`weakref.finalize` callbacks still run at exit). Objects freed by reference counting, the
+great majority, are freed as before, and the run's own objects (model, optimizer, engine) are made
 after the freeze, so the collector keeps all of them in view.
 """
 

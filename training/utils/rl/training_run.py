@@ -259,7 +259,7 @@ def recipe_main(loop: Loop, config_class: type[RLConfig]) -> Callable[..., dict[
 
         The objects alive when it starts stay frozen out of Python's cyclic garbage collector afterwards
         (`gc.freeze`, training/utils/collector.py): a reference cycle among them that becomes garbage later is
-        freed when the next run starts, or at exit."""
+        freed when the next run starts; if the process exits first, its `__del__` methods do not run."""
         if not isinstance(cfg, config_class):
             raise ConfigError(f"{loop.__module__}.main() needs a {loop.__module__}.Config, got "
                               f"{type(cfg).__module__}.{type(cfg).__name__}; build it from the recipe you import")
