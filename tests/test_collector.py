@@ -14,7 +14,7 @@ from training.utils import collector
 
 
 class Node:
-    """A object that can sit in a reference cycle and be watched through a weak reference."""
+    """An object that can sit in a reference cycle and be watched through a weak reference."""
 
     def __init__(self):
         self.other = None

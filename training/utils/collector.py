@@ -16,9 +16,9 @@ What it froze stays frozen when the run returns, because that is what makes the 
 quick. The cost: an object alive when the run started that later becomes unreachable inside a
 reference cycle is freed when the next run in the same process starts (which unfreezes, collects
 and freezes again). If the process exits first, its memory goes back with the process, but its
-`__del__` method does not run (`weakref.finalize` callbacks still run at exit). Objects freed by reference counting, the
-great majority, are freed as before, and the run's own objects (model, optimizer, engine) are made
-after the freeze, so the collector keeps all of them in view.
+`__del__` method does not run (`weakref.finalize` callbacks still run at exit). Objects freed by
+reference counting, the great majority, are freed as before, and the run's own objects (model,
+optimizer, engine) are made after the freeze, so the collector keeps all of them in view.
 """
 
 from __future__ import annotations
