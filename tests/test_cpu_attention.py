@@ -48,6 +48,29 @@ def test_one_query_per_row_matches_sdpa(dtype, mask_kind):
     assert (out.float() - want).abs().max() < tolerance
 
 
+@pytest.mark.parametrize("mask_kind", ["per row", "broadcast", "none"])
+def test_decode_rows_in_chunks_give_the_same_bits_as_all_at_once(monkeypatch, mask_kind):
+    torch.manual_seed(1)
+    rows, kv_heads, heads, keys, dim = 7, 2, 6, 11, 16
+    key = torch.randn(rows, kv_heads, keys + 4, dim, dtype=torch.bfloat16)[:, :, :keys]
+    value = torch.randn(rows, kv_heads, keys + 4, dim, dtype=torch.bfloat16)[:, :, :keys]
+    query = torch.randn(rows, heads, 1, dim, dtype=torch.bfloat16)
+    visible = torch.ones(rows if mask_kind == "per row" else 1, 1, 1, keys, dtype=torch.bool)
+    visible[-1, ..., :5] = False
+    mask = None if mask_kind == "none" else visible
+    whole, _ = cpu_attention.cpu_attention(Grouped(), query, key, value, mask)
+    calls = []
+    rows_call = cpu_attention._decode_rows
+    monkeypatch.setattr(cpu_attention, "_decode_rows", lambda q, *args: calls.append(len(q)) or rows_call(q, *args))
+    # Room for the float32 keys of three rows: chunks of 3, 3 and 1 rows.
+    monkeypatch.setattr(cpu_attention, "DECODE_CHUNK_BYTES", 3 * kv_heads * keys * dim * 4 + 1)
+
+    chunked, _ = cpu_attention.cpu_attention(Grouped(), query, key, value, mask)
+
+    assert calls == [3, 3, 1]
+    assert torch.equal(chunked, whole)
+
+
 def short_rows(dtype, rows=3, kv_heads=2, heads=6, queries=13, dim=16):
     torch.manual_seed(2)
     # As a decoder layer hands them over: (rows, queries, heads, dim) transposed, so not contiguous.

@@ -6,7 +6,8 @@ rows of RL (a prompt and its draws, a chat turn) that tiling is most of the cost
 micro-batch of eight 110-token rows spent about a fifth of its forward and backward in sdpa's CPU kernels
 (benchmarks/RESULTS.md). Here both cases are a few batched matmuls:
 
-- decode: q·kᵀ, softmax, ·v in float32, per key/value head for its group of query heads;
+- decode: q·kᵀ, softmax, ·v in float32, per key/value head for its group of query heads, a few rows at a time
+  once the context is long (`DECODE_CHUNK_BYTES`);
 - short bf16 rows (at most `SHORT_ROW_KEYS` keys): the same with bf16 matmuls and a float32 softmax, as an
   autograd function that keeps only q, k, v and the mask for the backward, which recomputes the softmax (as a
   flash kernel does), so activation memory is what sdpa's is.
@@ -36,6 +37,12 @@ their buffers of changing sizes left the allocator holding more)."""
 SHORT_ROW_KEYS = 512
 """bf16 rows with at most this many keys take the matmul path; longer ones, and float32 rows (whose sdpa kernels
 are as fast), go to sdpa (the crossover is measured in benchmarks/cpu_attention.py)."""
+
+DECODE_CHUNK_BYTES = 4 << 20
+"""Most bytes of float32 keys one chunk of decode rows converts at a time (and as many of values). Converted all
+rows at once, a long context's keys and values become fresh buffers of tens of MB per layer and step, whose pages
+the allocator maps and faults in anew each time; chunks this size stay in cache and reuse freed memory. Results
+are the same bits either way (benchmarks/RESULTS.md has the crossover)."""
 
 SDPA_LIKE = ("sdpa", NAME, DECODE_NAME)
 """The implementations a switch starts from: sdpa, or one of these (the engine's copy of a trainer's model)."""
@@ -90,10 +97,26 @@ def cpu_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
 
 def decode_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                      scaling: float | None) -> Tensor:
-    """One query per row, in float32: (rows, kv heads, group, dim) against each key/value head's keys."""
+    """One query per row, in float32: (rows, kv heads, group, dim) against each key/value head's keys, in chunks
+    of rows whose float32 keys fit `DECODE_CHUNK_BYTES`."""
+    rows, kv_heads, keys, dim = key.shape
+    rows_per_chunk = max(1, DECODE_CHUNK_BYTES // (kv_heads * keys * dim * 4))
+    if rows_per_chunk >= rows:
+        return _decode_rows(query, key, value, attention_mask, scaling)
+    per_row_mask = attention_mask is not None and attention_mask.shape[0] == rows
+    return torch.cat([
+        _decode_rows(query[first:first + rows_per_chunk], key[first:first + rows_per_chunk],
+                     value[first:first + rows_per_chunk],
+                     attention_mask[first:first + rows_per_chunk] if per_row_mask else attention_mask, scaling)
+        for first in range(0, rows, rows_per_chunk)
+    ])
+
+
+def _decode_rows(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                 scaling: float | None) -> Tensor:
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    query_RKGD = query.view(rows, kv_heads, heads // kv_heads, dim).float()
+    query_RKGD = query.reshape(rows, kv_heads, heads // kv_heads, dim).float()
     scores_RKGL = torch.matmul(query_RKGD, key.float().transpose(-1, -2))
     scores_RKGL.mul_(scaling if scaling is not None else 1 / math.sqrt(dim))
     if attention_mask is not None:
