@@ -40,9 +40,9 @@ are as fast), go to sdpa (the crossover is measured in benchmarks/cpu_attention.
 
 DECODE_CHUNK_BYTES = 4 << 20
 """Most bytes of float32 keys one chunk of decode rows converts at a time (and as many of values). Converted all
-rows at once, a long context's keys and values become fresh buffers of tens of MB per layer and step, whose pages
-the allocator maps and faults in anew each time; chunks this size stay in cache and reuse freed memory. Results
-are the same bits either way (benchmarks/RESULTS.md has the crossover)."""
+rows at once, a long context's keys and values are float32 copies of tens of MB per layer, written out to memory
+and read back by the next matmul; a chunk's copies are still in the cache when the matmul reads them. Results are
+the same bits either way (benchmarks/RESULTS.md has the measurements)."""
 
 SDPA_LIKE = ("sdpa", NAME, DECODE_NAME)
 """The implementations a switch starts from: sdpa, or one of these (the engine's copy of a trainer's model)."""
