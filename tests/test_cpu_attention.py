@@ -71,6 +71,18 @@ def test_decode_rows_in_chunks_give_the_same_bits_as_all_at_once(monkeypatch, ma
     assert torch.equal(chunked, whole)
 
 
+def test_float32_decode_rows_are_never_chunked(monkeypatch):
+    key = value = torch.randn(7, 2, 11, 16)
+    calls = []
+    rows_call = cpu_attention._decode_rows
+    monkeypatch.setattr(cpu_attention, "_decode_rows", lambda q, *args: calls.append(len(q)) or rows_call(q, *args))
+    monkeypatch.setattr(cpu_attention, "DECODE_CHUNK_BYTES", 1)
+
+    cpu_attention.cpu_attention(Grouped(), torch.randn(7, 6, 1, 16), key, value, None)
+
+    assert calls == [7]  # nothing to convert, so nothing to gain from chunks
+
+
 def short_rows(dtype, rows=3, kv_heads=2, heads=6, queries=13, dim=16):
     torch.manual_seed(2)
     # As a decoder layer hands them over: (rows, queries, heads, dim) transposed, so not contiguous.

@@ -6,8 +6,8 @@ rows of RL (a prompt and its draws, a chat turn) that tiling is most of the cost
 micro-batch of eight 110-token rows spent about a fifth of its forward and backward in sdpa's CPU kernels
 (benchmarks/RESULTS.md). Here both cases are a few batched matmuls:
 
-- decode: q·kᵀ, softmax, ·v in float32, per key/value head for its group of query heads, a few rows at a time
-  once the context is long (`DECODE_CHUNK_BYTES`);
+- decode: q·kᵀ, softmax, ·v in float32, per key/value head for its group of query heads, bf16 keys and values
+  converted a few rows at a time once the context is long (`DECODE_CHUNK_BYTES`);
 - short bf16 rows (at most `SHORT_ROW_KEYS` keys): the same with bf16 matmuls and a float32 softmax, as an
   autograd function that keeps only q, k, v and the mask for the backward, which recomputes the softmax (as a
   flash kernel does), so activation memory is what sdpa's is.
@@ -97,11 +97,11 @@ def cpu_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
 
 def decode_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                      scaling: float | None) -> Tensor:
-    """One query per row, in float32: (rows, kv heads, group, dim) against each key/value head's keys, in chunks
-    of rows whose float32 keys fit `DECODE_CHUNK_BYTES`."""
+    """One query per row, in float32: (rows, kv heads, group, dim) against each key/value head's keys; bf16 keys
+    and values in chunks of rows whose float32 copies fit `DECODE_CHUNK_BYTES` (float32 ones are not copied)."""
     rows, kv_heads, keys, dim = key.shape
     rows_per_chunk = max(1, DECODE_CHUNK_BYTES // (kv_heads * keys * dim * 4))
-    if rows_per_chunk >= rows:
+    if rows_per_chunk >= rows or key.dtype == torch.float32:
         return _decode_rows(query, key, value, attention_mask, scaling)
     per_row_mask = attention_mask is not None and attention_mask.shape[0] == rows
     return torch.cat([
@@ -114,6 +114,7 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: 
 
 def _decode_rows(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                  scaling: float | None) -> Tensor:
+    """`decode_attention` of these rows at once: (rows, 1, heads, dim) out."""
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     query_RKGD = query.reshape(rows, kv_heads, heads // kv_heads, dim).float()
