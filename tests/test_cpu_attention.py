@@ -48,8 +48,17 @@ def test_one_query_per_row_matches_sdpa(dtype, mask_kind):
     assert (out.float() - want).abs().max() < tolerance
 
 
+@pytest.fixture
+def decode_chunk_rows(monkeypatch) -> list[int]:
+    """The rows of each chunk `decode_attention` computes, in order."""
+    calls = []
+    rows_call = cpu_attention._decode_rows
+    monkeypatch.setattr(cpu_attention, "_decode_rows", lambda q, *args: calls.append(len(q)) or rows_call(q, *args))
+    return calls
+
+
 @pytest.mark.parametrize("mask_kind", ["per row", "broadcast", "none"])
-def test_decode_rows_in_chunks_give_the_same_bits_as_all_at_once(monkeypatch, mask_kind):
+def test_decode_rows_in_chunks_give_the_same_bits_as_all_at_once(monkeypatch, decode_chunk_rows, mask_kind):
     torch.manual_seed(1)
     rows, kv_heads, heads, keys, dim = 7, 2, 6, 11, 16
     key = torch.randn(rows, kv_heads, keys + 4, dim, dtype=torch.bfloat16)[:, :, :keys]
@@ -59,28 +68,23 @@ def test_decode_rows_in_chunks_give_the_same_bits_as_all_at_once(monkeypatch, ma
     visible[-1, ..., :5] = False
     mask = None if mask_kind == "none" else visible
     whole, _ = cpu_attention.cpu_attention(Grouped(), query, key, value, mask)
-    calls = []
-    rows_call = cpu_attention._decode_rows
-    monkeypatch.setattr(cpu_attention, "_decode_rows", lambda q, *args: calls.append(len(q)) or rows_call(q, *args))
+    decode_chunk_rows.clear()
     # Room for the float32 keys of three rows: chunks of 3, 3 and 1 rows.
     monkeypatch.setattr(cpu_attention, "DECODE_CHUNK_BYTES", 3 * kv_heads * keys * dim * 4 + 1)
 
     chunked, _ = cpu_attention.cpu_attention(Grouped(), query, key, value, mask)
 
-    assert calls == [3, 3, 1]
+    assert decode_chunk_rows == [3, 3, 1]
     assert torch.equal(chunked, whole)
 
 
-def test_float32_decode_rows_are_never_chunked(monkeypatch):
+def test_float32_decode_rows_are_never_chunked(monkeypatch, decode_chunk_rows):
     key = value = torch.randn(7, 2, 11, 16)
-    calls = []
-    rows_call = cpu_attention._decode_rows
-    monkeypatch.setattr(cpu_attention, "_decode_rows", lambda q, *args: calls.append(len(q)) or rows_call(q, *args))
     monkeypatch.setattr(cpu_attention, "DECODE_CHUNK_BYTES", 1)
 
     cpu_attention.cpu_attention(Grouped(), torch.randn(7, 6, 1, 16), key, value, None)
 
-    assert calls == [7]  # nothing to convert, so nothing to gain from chunks
+    assert decode_chunk_rows == [7]  # nothing to convert, so nothing to gain from chunks
 
 
 def short_rows(dtype, rows=3, kv_heads=2, heads=6, queries=13, dim=16):
