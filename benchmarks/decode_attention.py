@@ -23,6 +23,17 @@ from training.utils.deploy.decode import KVBatch
 from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer
 
 
+def shape(text: str) -> tuple[int, int]:
+    """`ROWSxPROMPT_TOKENS`, both positive."""
+    try:
+        rows, prompt_tokens = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        rows = prompt_tokens = 0
+    if rows < 1 or prompt_tokens < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ROWSxPROMPT_TOKENS with both positive, e.g. 64x500")
+    return rows, prompt_tokens
+
+
 def ms_per_step(model, prefilled: KVBatch, first_tokens: torch.Tensor, steps: int, chunk_bytes: int) -> float:
     cpu_attention.DECODE_CHUNK_BYTES = chunk_bytes
     batch = KVBatch.gather([(prefilled, None)], 0)  # a copy: every round starts from the same context
@@ -36,10 +47,13 @@ def ms_per_step(model, prefilled: KVBatch, first_tokens: torch.Tensor, steps: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=SMOLLM2_ALIAS, help="alias or local HF directory")
-    parser.add_argument("--shapes", nargs="+", default=["64x500", "32x1000"], help="ROWSxPROMPT_TOKENS")
+    parser.add_argument("--shapes", nargs="+", type=shape, default=[(64, 500), (32, 1000)],
+                        help="ROWSxPROMPT_TOKENS, e.g. 64x500")
     parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1")
 
     model, _ = load_model_and_tokenizer(args.model, dtype=torch.bfloat16)
     model.eval()
@@ -48,8 +62,7 @@ def main() -> None:
     print(f"model={args.model} threads={torch.get_num_threads()} torch={torch.__version__} "
           f"chunk={chunked_bytes >> 20} MiB")
     generator = torch.Generator().manual_seed(0)
-    for shape in args.shapes:
-        rows, prompt_tokens = (int(n) for n in shape.split("x"))
+    for rows, prompt_tokens in args.shapes:
         prompts = [torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=generator).tolist()
                    for _ in range(rows)]
         with torch.inference_mode():
