@@ -53,6 +53,8 @@ PUBLIC_NAMES: dict[str, str] = {
     "serve_policy": "training.utils.rl.startup",
     "load_tokenizer": "training.utils.model",
     "load_model_and_tokenizer": "training.utils.model",
+    # the process a run lives in
+    "restart_with_allocator": "training.utils.allocator",
 }
 """Public name -> the module that defines it (`tests/test_public_api.py` holds this list to the docs)."""
 
@@ -74,6 +76,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; `X as X` marks a re-export
+    from training.utils.allocator import restart_with_allocator as restart_with_allocator
     from training.utils.config import (
         AgentShimConfig as AgentShimConfig,
         DeploymentConfig as DeploymentConfig,

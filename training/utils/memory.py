@@ -16,6 +16,8 @@ from functools import cache
 import torch
 from torch.distributed.tensor import DTensor
 
+from training.utils.allocator import active_allocator
+
 GIB = float(1 << 30)
 
 
@@ -68,7 +70,10 @@ def peak_rss_bytes() -> int:
 
 def malloc_free_bytes() -> int | None:
     """Bytes glibc's malloc holds free in its heaps (`mallinfo2().fordblks`): freed by the program, still resident,
-    reused by later allocations of a fitting size. None where glibc (2.33 or later) is not the allocator."""
+    reused by later allocations of a fitting size. None where glibc (2.33 or later) is not the allocator, as in a
+    run restarted under mimalloc (`allocator.py`), whose `mallinfo2` is not glibc's."""
+    if active_allocator() is not None:
+        return None
     mallinfo2 = _mallinfo2()
     return None if mallinfo2 is None else int(mallinfo2().fordblks)
 

@@ -4,8 +4,9 @@ The process: `mem/rss` (resident now) and `mem/rss_peak` (the most it held since
 The big owners, counted exactly from the tensors that hold them (`memory.storage_bytes`: a tied weight once):
 the trainers' parameters, the policy's live gradients and AdamW state, and the embedded engine's weights, KV
 cache and prefix cache (`Deployment.memory_stats()`; external servers report none, so none is logged); and what
-glibc's malloc holds freed but resident (`mem/malloc_free`), the gap between the owners and `mem/rss` that no
-tensor explains. All in GiB. Under torchrun they are rank 0's process, the one that logs.
+glibc's malloc holds freed but resident (`mem/malloc_free`; absent where another allocator is preloaded), the gap
+between the owners and `mem/rss` that no tensor explains. All in GiB. Under torchrun they are rank 0's process,
+the one that logs.
 
 A step's peak never resets the kernel's high-water mark (`memory.py` says why). It is exact when the step raised
 the process's lifetime peak (that peak, `getrusage`), and otherwise the highest of the samples a thread takes
@@ -18,9 +19,11 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from pathlib import Path
 
 from torch import Tensor
 
+from training.utils.allocator import active_allocator
 from training.utils.deploy import Deployment
 from training.utils.memory import GIB, current_rss_bytes, malloc_free_bytes, peak_rss_bytes, storage_bytes
 from training.utils.trainer import Reference, Trainer
@@ -109,8 +112,11 @@ class MemoryTelemetry:
 
 
 def memory_summary(metrics: dict[str, float]) -> str:
-    """The run summary's line: the process's peak RSS over the whole run (start-up included), and its RSS and the
-    owners at the last step."""
+    """The run summary's line: the process's peak RSS over the whole run (start-up included), its RSS and the
+    owners at the last step, and the allocator (`allocator.py`)."""
     owners = ", ".join(f"{name.removeprefix('mem/')} {value:.2f}" for name, value in metrics.items()
                        if name.startswith("mem/") and name != "mem/rss_peak")
-    return f"memory: peak RSS of the run {peak_rss_bytes() / GIB:.2f} GiB; at the last step (GiB): {owners or 'none'}"
+    preloaded = active_allocator()
+    malloc = Path(preloaded).name if preloaded else "glibc's (training.restart_with_allocator: docs/allocator.md)"
+    return (f"memory: peak RSS of the run {peak_rss_bytes() / GIB:.2f} GiB; at the last step (GiB): "
+            f"{owners or 'none'}; malloc: {malloc}")

@@ -10,6 +10,11 @@ its README: Results).
 import json
 from pathlib import Path
 
+from training import restart_with_allocator
+
+if __name__ == "__main__":
+    restart_with_allocator()  # first, before torch loads: the run's memory through mimalloc (docs/allocator.md)
+
 from training import AgentShimConfig, SamplingConfig, TrainerConfig, rollout_evaluation
 from training.examples.rl.blackbox_agent.make_data import load_split
 from training.examples.rl.blackbox_agent.rollout import make_rollout_fn

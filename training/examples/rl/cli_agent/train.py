@@ -12,6 +12,11 @@ import argparse
 import json
 from pathlib import Path
 
+from training import restart_with_allocator
+
+if __name__ == "__main__":
+    restart_with_allocator()  # first, before torch loads: the run's memory through mimalloc (docs/allocator.md)
+
 from training import AgentShimConfig, SamplingConfig, TrainerConfig, rollout_evaluation
 from training.examples.rl.cli_agent.clis import CLIS
 from training.examples.rl.cli_agent.rollout import make_rollout_fn

@@ -12,6 +12,11 @@ import argparse
 import json
 from pathlib import Path
 
+from training import restart_with_allocator
+
+if __name__ == "__main__":
+    restart_with_allocator()  # first, before torch loads: the run's memory through mimalloc (docs/allocator.md)
+
 from training import DeploymentConfig, SamplingConfig, TrainerConfig, read_jsonl, rollout_evaluation
 from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn
 from training.recipes.async_rl_loop import Config, main
