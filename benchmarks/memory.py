@@ -36,9 +36,12 @@ OWNERS = ["trainer_params", "trainer_grads", "optimizer_state", "engine_weights"
           "prefix_cache", "malloc_free"]
 
 # Runs the example's script as __main__ with the recipe's `main` wrapped to cap `max_steps`: the script
-# imports `main` after this runs, so it gets the wrapper.
+# imports `main` after this runs, so it gets the wrapper. The restart comes first, as in the example, or torch
+# would be loaded before it and the run would keep glibc's malloc.
 BOOTSTRAP = """
 import runpy, sys
+from training import restart_with_allocator
+restart_with_allocator()  # as the example does, before the recipes load torch
 from training.recipes import async_rl_loop, rl_loop
 steps = int(sys.argv[2])
 for recipe in (async_rl_loop, rl_loop):

@@ -38,10 +38,11 @@ CHOICE_ENV = "TRAINING_ALLOCATOR"
 RESTARTED_ENV = "TRAINING_ALLOCATOR_RESTARTED"
 """Set in the restarted process only: the values the restart replaced (null where a variable was unset)."""
 
-MIMALLOC_ENV = {"MIMALLOC_ALLOW_THP": "0", "MIMALLOC_PURGE_DELAY": "1000"}
+MIMALLOC_ENV = {"MIMALLOC_ALLOW_THP": "0", "MIMALLOC_PURGE_DELAY": "10000"}
 """mimalloc's settings for a run, where the user set none (docs/allocator.md): no transparent huge pages (each
-2 MiB page is zeroed whole when first touched), and freed pages returned to the kernel after one second unused
-rather than ten milliseconds, so a buffer freed at a step's end is still there for the next step's."""
+2 MiB page is zeroed whole when first touched), and freed memory returned to the kernel after ten seconds unused
+rather than ten milliseconds: sooner, a step's buffers are handed back between steps and fault in again at the
+next; never, a phase's buffers stay resident after it ends."""
 
 ALLOCATOR_NAME = "malloc"
 """What a preloaded allocator's file name contains (libmimalloc, libjemalloc, libtcmalloc), as glibc's does not."""
