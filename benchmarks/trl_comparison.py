@@ -26,14 +26,15 @@ epoch and one minibatch). The rest is matched to our defaults: loss `dapo` (toke
 `token_mean`), clip 0.2, group-normalised advantages, constant lr, AdamW betas (0.9, 0.95), grad-norm clip 1,
 `gradient_checkpointing=False` (except `trl default`), no eval, no saving, `report_to="none"`.
 
-Each variant runs 1 warm-up step (not counted) and then `--steps` optimizer steps. It prints the median
-seconds per step: ours is the ledger's `perf/step_time` (sampling, training, weight sync), TRL's the time
-from `on_step_begin` to `on_step_end` of a TrainerCallback (generation, reward, forward/backward, optimizer
-step); "wall" is the median time between the ends of consecutive steps, logging included; "tokens" the
-mean completion length in tokens over the counted steps (a step's time falls as the completions shorten,
-which they do as the reward rises; HF `generate` runs a batch until its longest row ends). Then the mean
-reward over the first and second half of all steps run (the warm-up included), "others": the cores that
-other processes of the machine kept busy on average meanwhile (/proc/stat less this variant's CPU time: on
+Our variants restart on mimalloc as the examples do (`TRAINING_ALLOCATOR=system` keeps them on glibc's malloc);
+TRL's run on glibc's, as TRL ships. Each variant runs 1 warm-up step (not counted) and then `--steps` optimizer
+steps. It prints the median seconds per step: ours is the ledger's `perf/step_time` (sampling, training, weight
+sync), TRL's the time from `on_step_begin` to `on_step_end` of a TrainerCallback (generation, reward,
+forward/backward, optimizer step); "wall" is the median time between the ends of consecutive steps, logging
+included; "tokens" the mean completion length in tokens over the counted steps (a step's time falls as the
+completions shorten, which they do as the reward rises; HF `generate` runs a batch until its longest row ends).
+Then the mean reward over the first and second half of all steps run (the warm-up included), "others": the cores
+that other processes of the machine kept busy on average meanwhile (/proc/stat less this variant's CPU time: on
 a shared machine, a variant with others > 0 was slowed down), and the ratio TRL/ours.
 
     pip install -e '.[trl]'
@@ -275,6 +276,10 @@ def print_table(results: dict[str, dict], steps: int) -> None:
 def main() -> None:
     args = parse_args()
     if args.worker:
+        if VARIANTS[args.worker][0] == "ours":
+            # As the examples run: restarted on mimalloc before torch loads (docs/allocator.md); TRL as shipped.
+            from training import restart_with_allocator
+            restart_with_allocator()
         worker(args.worker, args.steps, args.result)
         return
     if importlib.util.find_spec("trl") is None:
