@@ -5,7 +5,7 @@ directory so its `runs/` lands there. Printed per example: the process's peak re
 counts it for `/usr/bin/time -v` (`wait4`'s `ru_maxrss`), the wall time, and from the run's own ledger the
 largest `mem/rss_peak` and the counted owners at the last step that logged them (`docs/metrics.md`, "mem"):
 trainer parameters, gradients, AdamW state, engine weights, KV cache reserved, prefix cache, and what glibc's
-malloc holds freed (`mem/malloc_free`), the part no owner accounts for.
+malloc holds freed (`mem/malloc_free`, "-" in a run restarted on mimalloc), the part no owner accounts for.
 
     python benchmarks/memory.py                                   # all three examples, 3 steps each
     python benchmarks/memory.py --examples single_turn --steps 16 # the main job as the README runs it

@@ -88,6 +88,12 @@ def test_user_preloaded_allocator_is_left_alone(tmp_path):
     assert seen["own"]["LD_PRELOAD"] == library
 
 
+def test_a_restart_marker_set_by_hand_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("TRAINING_ALLOCATOR_RESTARTED", "yes")
+    with pytest.raises(ConfigError, match="TRAINING_ALLOCATOR_RESTARTED='yes' is not what restart_with_allocator"):
+        allocator.restart_with_allocator()
+
+
 def test_allocator_setting_that_names_nothing_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="TRAINING_ALLOCATOR='/no/such/libx.so'"):
         allocator.chosen_library({"TRAINING_ALLOCATOR": "/no/such/libx.so"})

@@ -10,7 +10,7 @@ class. The measurements and the allocators compared (glibc, tcmalloc, jemalloc, 
 
 How: an allocator replaces malloc for torch's buffers only if the dynamic loader binds it before libc's, that is
 through `LD_PRELOAD` when the process starts. So `restart_with_allocator()`, called at the top of a script before
-torch loads, replaces the process once (`os.execv`, same pid, same command line from `sys.orig_argv`) with one
+torch loads, replaces the process once (`os.execve`, same pid, same command line from `sys.orig_argv`) with one
 that preloads mimalloc's library from the `cmeel-mimalloc` package. The restarted process runs the script from
 the top again, reaches the same call, and puts the environment back as it was before the restart, so child
 processes (a vLLM server, an agent CLI) start with the environment the user gave.
@@ -55,7 +55,8 @@ def mimalloc_library() -> Path | None:
         files = metadata.files("cmeel-mimalloc") or []
     except metadata.PackageNotFoundError:
         return None
-    return next((Path(f.locate()).resolve() for f in files if f.name == "libmimalloc.so"), None)
+    found = (Path(f.locate()).resolve() for f in files if f.name == "libmimalloc.so")
+    return next((path for path in found if path.is_file()), None)
 
 
 def chosen_library(environ: Mapping[str, str]) -> Path | str:
@@ -84,8 +85,8 @@ def restart_blocker(environ: Mapping[str, str], script: str, loaded: set[str]) -
 def restart_with_allocator() -> None:
     """Restart this script once with mimalloc (or `TRAINING_ALLOCATOR`'s choice) preloaded; see the module
     docstring. Call it first thing under `if __name__ == "__main__":`, before torch loads: what runs before it
-    runs twice. Where it cannot restart, it logs why and the run goes on with glibc's malloc. It does nothing but
-    on Linux (macOS's malloc has size classes of its own) or with `TRAINING_ALLOCATOR=system`."""
+    runs twice. Where it cannot restart, it logs why and the run goes on with glibc's malloc. It does nothing off
+    Linux (macOS's malloc has size classes of its own) or with `TRAINING_ALLOCATOR=system`."""
     if RESTARTED_ENV in os.environ:
         preloaded = os.environ.get("LD_PRELOAD", "").split(os.pathsep)[0]
         _restore_environment()
@@ -115,7 +116,15 @@ def restart_with_allocator() -> None:
 
 
 def _restore_environment() -> None:
-    for name, value in json.loads(os.environ.pop(RESTARTED_ENV)).items():
+    marker = os.environ.pop(RESTARTED_ENV)
+    try:
+        replaced = json.loads(marker)
+    except ValueError:
+        replaced = None
+    if not isinstance(replaced, dict) or not all(isinstance(v, str | None) for v in replaced.values()):
+        raise ConfigError(f"{RESTARTED_ENV}={marker!r} is not what restart_with_allocator() sets in the process it "
+                          "restarts; unset it")
+    for name, value in replaced.items():
         if value is None:
             os.environ.pop(name, None)
         else:
