@@ -16,7 +16,7 @@ The estimate adds up:
 To fit, the prefix cache's bound is lowered first (down to one context's keys/values, or the bound set if lower:
 the longest prompt still fits, so a row's later draws and a session's next turn still find theirs), then
 `trainer.max_tokens_per_microbatch` (down to `MIN_MICROBATCH_TOKENS`: smaller micro-batches only cost more
-forwards). Not counted: memory malloc holds freed (`mem/malloc_free` reports it each step), an engine forward's
+forwards). Not counted: memory malloc holds freed (`mem/malloc_free` under glibc), an engine forward's
 transient buffers, and a datum longer than the micro-batch budget, which trains alone at its own length (bound it
 with `max_sequence_tokens`). Each step's `mem/rss_peak` shows what the estimate missed.
 """

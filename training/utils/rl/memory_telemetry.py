@@ -117,6 +117,6 @@ def memory_summary(metrics: dict[str, float]) -> str:
     owners = ", ".join(f"{name.removeprefix('mem/')} {value:.2f}" for name, value in metrics.items()
                        if name.startswith("mem/") and name != "mem/rss_peak")
     preloaded = active_allocator()
-    malloc = Path(preloaded).name if preloaded else "glibc's (training.restart_with_allocator: docs/allocator.md)"
+    malloc = Path(preloaded).name if preloaded else "the system's (no restart_with_allocator(): docs/allocator.md)"
     return (f"memory: peak RSS of the run {peak_rss_bytes() / GIB:.2f} GiB; at the last step (GiB): "
             f"{owners or 'none'}; malloc: {malloc}")
