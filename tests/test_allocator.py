@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 # Counts its own runs in a file, restarts, then reports what it sees: its allocator, glibc's free bytes, its
 # arguments, its environment and a child process's.
 SCRIPT = """
-import json, os, subprocess, sys
+import ctypes, json, os, subprocess, sys
 with open(sys.argv[1], "a") as runs:
     runs.write("run\\n")
 from training.utils.allocator import active_allocator, restart_with_allocator
@@ -29,8 +29,11 @@ if __name__ == "__main__":
     names = ("LD_PRELOAD", "MIMALLOC_ALLOW_THP", "MIMALLOC_PURGE_DELAY", "TRAINING_ALLOCATOR_RESTARTED")
     probe = "import json, os; print(json.dumps({k: os.environ.get(k) for k in %r}))" % (names,)
     child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    # mimalloc's purge delay as mimalloc itself read it (mi_option_purge_delay is option 15 in mimalloc.h)
+    purge_delay = ctypes.CDLL(None).mi_option_get(15) if active_allocator() else None
     print(json.dumps({"allocator": active_allocator(), "malloc_free": malloc_free_bytes(), "argv": sys.argv[2:],
-                      "own": {k: os.environ.get(k) for k in names}, "child": json.loads(child)}))
+                      "own": {k: os.environ.get(k) for k in names}, "child": json.loads(child),
+                      "purge_delay": purge_delay}))
 """
 
 
@@ -59,6 +62,13 @@ def test_restart_preloads_mimalloc_once_and_children_get_the_environment_back(tm
                 "TRAINING_ALLOCATOR_RESTARTED": None}
     assert seen["own"] == expected
     assert seen["child"] == expected
+    assert seen["purge_delay"] == 50
+
+
+def test_the_runs_own_settings_reach_mimalloc(tmp_path):
+    runs, seen = run_script(tmp_path)
+    assert (runs, seen["purge_delay"]) == (2, int(allocator.MIMALLOC_ENV["MIMALLOC_PURGE_DELAY"]))
+    assert seen["child"]["MIMALLOC_PURGE_DELAY"] is None
 
 
 def test_allocator_system_keeps_glibc_and_runs_once(tmp_path):
@@ -78,7 +88,9 @@ def test_allocator_named_by_path_is_preloaded(tmp_path):
     library = str(allocator.mimalloc_library())
     runs, seen = run_script(tmp_path, TRAINING_ALLOCATOR=library)
     assert (runs, seen["allocator"]) == (2, library)
-    assert seen["own"]["MIMALLOC_ALLOW_THP"] is None  # the run's mimalloc settings go with its default only
+    # A mimalloc named by path gets the run's settings as well, and they are gone from the environment afterwards.
+    assert seen["purge_delay"] == int(allocator.MIMALLOC_ENV["MIMALLOC_PURGE_DELAY"])
+    assert seen["own"]["MIMALLOC_ALLOW_THP"] is None
 
 
 def test_user_preloaded_allocator_is_left_alone(tmp_path):
@@ -86,6 +98,7 @@ def test_user_preloaded_allocator_is_left_alone(tmp_path):
     runs, seen = run_script(tmp_path, LD_PRELOAD=library)
     assert (runs, seen["allocator"]) == (1, library)
     assert seen["own"]["LD_PRELOAD"] == library
+    assert seen["purge_delay"] == 10  # mimalloc's own default: the user's preload is theirs, settings included
 
 
 def test_a_restart_marker_set_by_hand_is_refused_by_name(monkeypatch):
