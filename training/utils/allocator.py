@@ -41,7 +41,7 @@ RESTARTED_ENV = "TRAINING_ALLOCATOR_RESTARTED"
 MIMALLOC_ENV = {"MIMALLOC_ALLOW_THP": "0", "MIMALLOC_PURGE_DELAY": "10000"}
 """mimalloc's settings for a run, where the user set none (docs/allocator.md): no transparent huge pages (each
 2 MiB page is zeroed whole when first touched), and freed memory returned to the kernel after ten seconds unused
-rather than ten milliseconds: sooner, a step's buffers are handed back between steps and fault in again at the
+rather than mimalloc's one: sooner, a step's buffers are handed back between steps and fault in again at the
 next; never, a phase's buffers stay resident after it ends."""
 
 ALLOCATOR_NAME = "malloc"
