@@ -131,10 +131,8 @@ def _restore_environment() -> None:
             os.environ[name] = value
 
 
-@cache
 def mapped_libraries() -> frozenset[str]:
-    """The files mapped into this process (`/proc/self/maps`); empty where that cannot be read. Cached: read
-    for the allocator, which never changes in a process."""
+    """The files mapped into this process now (`/proc/self/maps`); empty where that cannot be read."""
     try:
         with open("/proc/self/maps") as maps:
             fields = [line.split(maxsplit=5) for line in maps]
@@ -143,6 +141,8 @@ def mapped_libraries() -> frozenset[str]:
     return frozenset(f[5].strip() for f in fields if len(f) == 6 and f[5].startswith("/"))
 
 
+@cache
 def active_allocator() -> str | None:
-    """The path of the allocator library this process preloaded, or None where malloc is libc's."""
+    """The path of the allocator library this process preloaded, or None where malloc is libc's. Cached: a
+    process's allocator never changes, and the memory metrics ask every step."""
     return next((p for p in sorted(mapped_libraries()) if ALLOCATOR_NAME in Path(p).name), None)
