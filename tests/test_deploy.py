@@ -12,6 +12,7 @@ import copy
 import inspect
 import threading
 import time
+import weakref
 from unittest.mock import patch
 
 import aiohttp
@@ -31,7 +32,7 @@ from training.utils.deploy import (
 )
 from training.utils.deploy.admission import split_by_length
 from training.utils.deploy.completion import InvalidRequestError
-from training.utils.deploy.decode import KVBatch, cache_kwarg
+from training.utils.deploy.decode import KVBatch, SlotLayer, cache_kwarg
 from training.utils.deploy.graphs import DecodeSteps
 from training.utils.deploy.next_token import (
     SamplingParams_B,
@@ -209,6 +210,40 @@ def test_kv_batch_split_prefill_matches_generate(tiny):
                 o.append(t)
     for prompt, output in zip([p for chunk in chunks for p in chunk], outputs):
         assert output == greedy_reference(model, prompt, 6)
+
+
+
+def test_kv_batch_rebuild_frees_each_old_layer_as_it_copies(tiny):
+    """A rebuild holds one layer twice at most: each old layer's buffers are freed once copied, before the next
+    layer is built, and the rebuilt batch still decodes what `generate` does."""
+    model, _ = tiny
+    short, long_prompt = [[5, 6, 7, 8, 9, 10], [7, 8, 9]], list(range(10, 60))
+    with torch.inference_mode():
+        batch, logits_a = KVBatch.prefill(model, short)
+        new, logits_b = KVBatch.prefill(model, [long_prompt])  # longer than the batch: a rebuild
+        old_keys = [weakref.ref(layer.keys_buf) for layer in batch.layers]
+        freed_before = []  # at the release of layer i: which old layers' keys are gone
+        release = SlotLayer.release
+
+        def recording_release(layer):
+            if layer in batch.layers:
+                freed_before.append([ref() is None for ref in old_keys])
+            release(layer)
+
+        with patch.object(SlotLayer, "release", recording_release):
+            joined = batch.insert(new, row_capacity=4)
+        n = len(batch.layers)
+        assert joined is not batch and n >= 2
+        assert freed_before == [[j < i for j in range(n)] for i in range(n)]
+        assert all(ref() is None for ref in old_keys) and batch.reserved_bytes() == 0 and new.reserved_bytes() == 0
+        assert joined.reserved_bytes() > 0
+        outputs = [[int(t)] for t in torch.cat([logits_a, logits_b]).argmax(-1)]
+        for _ in range(4):
+            logits = joined.decode(model, torch.tensor([o[-1] for o in outputs]))
+            for o, t in zip(outputs, logits.argmax(-1).tolist()):
+                o.append(t)
+    for prompt, output in zip(short + [long_prompt], outputs):
+        assert output == greedy_reference(model, prompt, 5)
 
 
 # ---------------------------------------------------------------------------- engine

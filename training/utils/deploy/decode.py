@@ -17,7 +17,9 @@ Each layer's keys/values live in buffers of shape (R, H, C, D) with spare rows a
 instead re-concatenates the whole cache every step). Live rows are the first B slots.
 - New rows are prefilled on their own (left-padded among themselves) and copied into free
   slots, right-aligned to column L (`insert`): only the new rows are written. A prompt
-  longer than L, or more rows than free slots, rebuilds the batch once (`gather`).
+  longer than L, or more rows than free slots, rebuilds the batch once (`gather`). A rebuild
+  consumes the batches it copies from: each layer's old buffers go as soon as that layer is
+  copied, so a rebuild needs one layer's buffers more than the new batch, not a second batch.
 - Finished rows are dropped by moving the last live rows into their slots (`remove`):
   only the moved rows are copied, and the caller reorders its own row list the same way.
 - When every live row has a long stretch of padding on its left (the rows that needed
@@ -110,6 +112,15 @@ class SlotLayer(DynamicLayer):
             new[: self.rows, :, : self.length] = old[: self.rows, :, : self.length]
             setattr(self, name, new)
         self._refresh_views()
+
+    def release(self) -> None:
+        """Drop the buffers (the batch holding this layer was consumed by `KVBatch.gather`)."""
+        self.keys_buf = self.values_buf = self.keys = self.values = None
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the key and value buffers; 0 once released. Safe to call from another thread."""
+        keys, values = self.keys_buf, self.values_buf  # read once: a rebuild on the engine thread may release them
+        return (keys.nbytes if keys is not None else 0) + (values.nbytes if values is not None else 0)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -227,12 +238,16 @@ class KVBatch:
     def reserved_bytes(self) -> int:
         """Bytes of every layer's key/value buffers, spare rows and columns included (layers built from cached
         prefixes are views that split one buffer, so their sizes add up to it)."""
-        return sum(layer.keys_buf.nbytes + layer.values_buf.nbytes for layer in self.layers)
+        return sum(layer.buffer_bytes() for layer in self.layers)
 
     def token_bytes(self) -> int:
         """Bytes of one row's keys and values at one column, over every layer: the live part is B x L of them."""
-        return sum(2 * layer.keys_buf.shape[1] * layer.keys_buf.shape[3] * layer.keys_buf.element_size()
-                   for layer in self.layers)
+        total = 0
+        for layer in self.layers:
+            keys = layer.keys_buf  # read once (see `buffer_bytes`)
+            if keys is not None:
+                total += 2 * keys.shape[1] * keys.shape[3] * keys.element_size()
+        return total
 
     def ensure_capacity(self, columns: int) -> None:
         """Grow every buffer so that `columns` columns fit (called before a decode step)."""
@@ -326,7 +341,7 @@ class KVBatch:
     def _rebuild(self, parts: Sequence[tuple[KVBatch, Sequence[int] | None]], row_capacity: int) -> KVBatch:
         """`gather(parts)`: a new batch, or with stable buffers, the same rows copied into this batch's buffers."""
         if not self.stable_buffers:
-            return KVBatch.gather(parts, row_capacity)
+            return KVBatch.gather(parts, row_capacity, consume=True)
         staged = KVBatch.gather(parts)
         if staged.rows > self.row_capacity:
             raise ValueError(f"{staged.rows} rows do not fit the {self.row_capacity} slots of a stable batch")
@@ -344,12 +359,15 @@ class KVBatch:
 
     @staticmethod
     def gather(
-        parts: Sequence[tuple[KVBatch, Sequence[int] | None]], row_capacity: int = 0, min_columns: int = 0
+        parts: Sequence[tuple[KVBatch, Sequence[int] | None]], row_capacity: int = 0, min_columns: int = 0,
+        consume: bool = False,
     ) -> KVBatch:
         """A new batch of the listed rows of each part (None = all live rows; repeats allowed), in order.
 
         The width is the longest selected row (shared left padding is dropped); rows are
         allocated for max(selected rows, row_capacity), columns for max(width + spare, min_columns).
+        `consume`: the parts' batches are discarded after this call, so each of their layers is released
+        once copied; the copy then holds one layer's buffers twice at most, not the whole cache.
         """
         device = parts[0][0].mask_buf.device
         picks = []
@@ -375,6 +393,9 @@ class KVBatch:
                 keys[dst, :, width - w : width] = batch.layers[i].keys_buf[:, :, src].index_select(0, index)
                 values[dst, :, width - w : width] = batch.layers[i].values_buf[:, :, src].index_select(0, index)
             layers.append(SlotLayer(keys, values, total, width))
+            if consume:
+                for batch, _ in parts:
+                    batch.layers[i].release()
         mask = torch.zeros(capacity, columns, dtype=torch.long, device=device)
         next_pos = torch.zeros(capacity, dtype=torch.long, device=device)
         for batch, index, dst, src, w in moves:

@@ -372,7 +372,7 @@ class Engine:
         index = {id(g): i for i, gs in enumerate(groups_U) for g in gs}
         rows = [index[id(seq.group)] for seq in admitted]
         if rows != list(range(len(prompts))):
-            new = KVBatch.gather([(new, rows)])  # n > 1 or equal prompts: one prefill, copied to each row
+            new = KVBatch.gather([(new, rows)], consume=True)  # n > 1 or equal prompts: one prefill, to each row
             logits_P = logits_P[torch.tensor(rows, device=logits_P.device)]
         params = sampling_params(admitted, logits_P.device)
         capacity = self.cfg.max_batch_requests
