@@ -280,14 +280,54 @@ def test_a_budget_that_fits_lowers_the_prefix_cache_first_then_the_micro_batch(t
     assert policy.cfg.max_tokens_per_microbatch == 2048
     one_context = 1024 * TOKEN_KV_BYTES  # the least the bound is lowered to: the longest prompt still fits
     assert estimate.prefix_cache_floor == one_context
-    working = estimate.working_set(2048)
+    working = estimate.working_set(2048, False)
     deployment, budget = fitted(total - prefix + one_context - working // 4)
     tokens = policy.cfg.max_tokens_per_microbatch
     assert deployment.prefix_cache_bytes == one_context and MIN_MICROBATCH_TOKENS <= tokens < 2048
     room = budget - (total - prefix + one_context - working)
-    assert estimate.working_set(tokens) <= room < estimate.working_set(tokens + 1), "the most tokens that fit"
+    assert estimate.working_set(tokens, False) <= room < estimate.working_set(tokens + 1, False), "the most that fit"
+    assert not policy.cfg.gradient_checkpointing, "a smaller micro-batch fits: no recomputation"
     assert cfg.trainer.max_tokens_per_microbatch == 2048, "the config stays as the user wrote it"
 
+
+
+def layer_forwards_in_one_step(policy: Trainer) -> int:
+    """How many times the first decoder layer's MLP starts in one forward_backward: twice with checkpointing. (The
+    layer's `forward` is what transformers checkpoints, so the layer's own hooks run once; and the recomputation
+    stops once it has rebuilt the last saved tensor, inside the MLP, so the MLP's post-forward hooks run once.)"""
+    calls = []
+    handle = policy.model.get_decoder().layers[0].mlp.register_forward_pre_hook(lambda *args: calls.append(1))
+    datum = Datum(input_ids=[1, 5, 7, 9], target_ids=[5, 7, 9, 11], weights=[0.0, 1.0, 1.0, 1.0],
+                  behaviour_logprobs=[-1.0] * 4, advantage=1.0, prompt_len=2)
+    try:
+        policy.forward_backward([datum], lambda logprobs, mb: (-(logprobs * mb.weights).sum(), {}))
+    finally:
+        handle.remove()
+        policy.optimizer.zero_grad(set_to_none=True)
+    return len(calls)
+
+
+def test_a_budget_the_smallest_micro_batch_misses_turns_on_checkpointing(tmp_path, fixed_process_memory):
+    cfg = tiny_run_cfg(rl_loop, tmp_path)
+    policy, reference = built(cfg)
+    assert layer_forwards_in_one_step(policy) == 1
+    estimate = estimate_memory(cfg, policy, reference)
+    assert not estimate.checkpointing
+    plain_floor = estimate.working_set(MIN_MICROBATCH_TOKENS, False)
+    assert estimate.working_set(MIN_MICROBATCH_TOKENS, True) < plain_floor
+    everything_else = sum(estimate.parts().values()) - estimate.prefix_cache + estimate.prefix_cache_floor \
+        - estimate.working_set(2048, False)
+    budget_bytes = everything_else + plain_floor - 1  # the plain 256-token micro-batch misses by a byte
+    budgeted = cfg.model_copy(update={"memory_budget_gib": budget_bytes / GIB})
+    deployment = memory_budget.fit_memory_budget(budgeted, policy, reference)
+    assert deployment.prefix_cache_bytes == estimate.prefix_cache_floor
+    assert policy.cfg.gradient_checkpointing
+    tokens, room = policy.cfg.max_tokens_per_microbatch, int(budget_bytes / GIB * GIB) - everything_else
+    assert MIN_MICROBATCH_TOKENS <= tokens < 2048
+    assert estimate.working_set(tokens, True) <= room < estimate.working_set(tokens + 1, True), "the most that fit"
+    assert layer_forwards_in_one_step(policy) == 2, "the backward recomputes the layer"
+    assert not cfg.trainer.gradient_checkpointing, "the config stays as the user wrote it"
+    assert "activations checkpointed" in " ".join(estimate.parts(checkpointing=True))
 
 def test_a_run_logs_what_its_budget_chose(tmp_path, caplog, fixed_process_memory):
     cfg = tiny_run_cfg(rl_loop, tmp_path)

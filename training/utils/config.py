@@ -243,10 +243,11 @@ class RLConfig(StrictModel):
     embedded engine's weights, a KV cache of `deployment.max_batch_requests` rows of the longest context it serves
     (`deployment.max_context_tokens`), the prefix cache's bound, and a training micro-batch's activations and logits.
     Over budget, the prefix cache's bound is lowered first (to one context's keys/values at the least), then
-    `trainer.max_tokens_per_microbatch` (to 256 at the least), and the choice is logged; what still does not fit
-    stops the run with a `ConfigError` naming the estimate's biggest parts and the settings to change. On a GPU the
-    estimate counts device memory alike. What it cannot see (memory the allocator holds freed, a datum longer than
-    the micro-batch budget) shows in each step's `mem/*` metrics. None: no budget and no check."""
+    `trainer.max_tokens_per_microbatch` (to 256 at the least), then `trainer.gradient_checkpointing` is turned on
+    (the micro-batch budget back as set, lowered again only if it must), and the choice is logged; what still does
+    not fit stops the run with a `ConfigError` naming the estimate's biggest parts and the settings to change. On a
+    GPU the estimate counts device memory alike. What it cannot see (memory the allocator holds freed, a datum
+    longer than the micro-batch budget) shows in each step's `mem/*` metrics. None: no budget and no check."""
 
     # -- observability ------------------------------------------------------------------------
     eval_interval: int = Field(0, ge=0)

@@ -16,7 +16,9 @@ The estimate adds up:
 To fit, the prefix cache's bound is lowered first (down to one context's keys/values, or the bound set if lower:
 the longest prompt still fits, so a row's later draws and a session's next turn still find theirs), then
 `trainer.max_tokens_per_microbatch` (down to `MIN_MICROBATCH_TOKENS`: smaller micro-batches only cost more
-forwards). Not counted: memory malloc holds freed (`mem/malloc_free` under glibc), an engine forward's
+forwards), then activation checkpointing is turned on (`trainer.gradient_checkpointing`: about a tenth of the
+activations, for one more forward of each micro-batch) with the micro-batch budget as set, lowered again only if it
+must. Not counted: memory malloc holds freed (`mem/malloc_free` under glibc), an engine forward's
 transient buffers, and a datum longer than the micro-batch budget, which trains alone at its own length (bound it
 with `max_sequence_tokens`). Each step's `mem/rss_peak` shows what the estimate missed.
 """
@@ -35,6 +37,7 @@ from training.utils.deploy.prefix_cache import prefix_cache_bounds
 from training.utils.errors import ConfigError
 from training.utils.memory import GIB, current_rss_bytes, kv_bytes_per_token, peak_rss_bytes, storage_bytes
 from training.utils.trainer import Reference, Trainer
+from training.utils.trainer.core import enable_activation_checkpointing
 from training.utils.trainer.logprob_head import projection_bytes
 
 log = logging.getLogger("training")
@@ -73,29 +76,37 @@ class MemoryEstimate:
     prefix_cache: int
     prefix_cache_floor: int
     microbatch_tokens: int
-    working_set: Callable[[int], int]
+    checkpointing: bool
+    working_set: Callable[[int, bool], int]
+    """Bytes of a micro-batch of so many tokens, with activation checkpointing or without."""
 
-    def parts(self, prefix_cache: int | None = None, microbatch_tokens: int | None = None) -> dict[str, int]:
+    def parts(self, prefix_cache: int | None = None, microbatch_tokens: int | None = None,
+              checkpointing: bool | None = None) -> dict[str, int]:
         tokens = self.microbatch_tokens if microbatch_tokens is None else microbatch_tokens
+        checkpointing = self.checkpointing if checkpointing is None else checkpointing
+        name = f"a micro-batch of {tokens} tokens" + (" (activations checkpointed)" if checkpointing else "")
         return self.fixed | {"prefix cache": self.prefix_cache if prefix_cache is None else prefix_cache,
-                             f"a micro-batch of {tokens} tokens": self.working_set(tokens)}
+                             name: self.working_set(tokens, checkpointing)}
 
-    def fit(self, budget: int) -> tuple[int, int] | None:
-        """(prefix cache bound, micro-batch tokens) that fit `budget`: as configured if they do, else the prefix
-        cache lowered, then the micro-batch; None if nothing down to the floors fits."""
+    def fit(self, budget: int) -> tuple[int, int, bool] | None:
+        """(prefix cache bound, micro-batch tokens, checkpointing) that fit `budget`: as configured if they do, else
+        the prefix cache lowered, then the micro-batch, then checkpointing on (the micro-batch as set, lowered
+        again if it must); None if nothing down to the floors fits."""
         room = budget - sum(self.fixed.values())
-        left = room - self.working_set(self.microbatch_tokens)
+        left = room - self.working_set(self.microbatch_tokens, self.checkpointing)
         if left >= self.prefix_cache_floor:
-            return min(self.prefix_cache, left), self.microbatch_tokens
+            return min(self.prefix_cache, left), self.microbatch_tokens, self.checkpointing
         room -= self.prefix_cache_floor
         floor = min(self.microbatch_tokens, MIN_MICROBATCH_TOKENS)
-        if self.working_set(floor) > room:
-            return None
-        low, high = floor, self.microbatch_tokens  # the most tokens that fit: working_set grows with them
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if self.working_set(mid) <= room else (low, mid - 1)
-        return self.prefix_cache_floor, low
+        for checkpointing in dict.fromkeys((self.checkpointing, True)):  # as set first: checkpointing costs time
+            if self.working_set(floor, checkpointing) > room:
+                continue
+            low, high = floor, self.microbatch_tokens  # the most tokens that fit: working_set grows with them
+            while low < high:
+                mid = (low + high + 1) // 2
+                low, high = (mid, high) if self.working_set(mid, checkpointing) <= room else (low, mid - 1)
+            return self.prefix_cache_floor, low, checkpointing
+        return None
 
 
 def estimate_memory(cfg: RLConfig, policy: Trainer, reference: Reference | None) -> MemoryEstimate:
@@ -125,18 +136,19 @@ def estimate_memory(cfg: RLConfig, policy: Trainer, reference: Reference | None)
         prefix_cache = min(max_tokens * token_bytes, max_bytes)
         prefix_cache_floor = min(prefix_cache, context * token_bytes)
     return MemoryEstimate(fixed, prefix_cache, prefix_cache_floor, policy.cfg.max_tokens_per_microbatch,
-                          working_set=_working_set(cfg, policy, text.vocab_size, context))
+                          policy.cfg.gradient_checkpointing, working_set=_working_set(cfg, policy, text.vocab_size,
+                                                                                       context))
 
 
-def _working_set(cfg: RLConfig, policy: Trainer, vocab_size: int, context: int) -> Callable[[int], int]:
+def _working_set(cfg: RLConfig, policy: Trainer, vocab_size: int, context: int) -> Callable[[int, bool], int]:
     """Bytes of a training micro-batch of `tokens` tokens: activations (a row at most `context` long, the longest
-    sequence served) and float32 logits."""
+    sequence served; all of them or, with `checkpointing`, each layer's input and one layer's) and float32 logits."""
     element_bytes = 2 if policy.precision == "bf16" else 4  # bf16-autocast keeps float32 norms and residuals
     lm_head = policy.model.get_output_embeddings()
 
-    def working_set(tokens: int) -> int:
+    def working_set(tokens: int, checkpointing: bool) -> int:
         activations = tokens * activation_bytes_per_token(policy.model.config, element_bytes, min(tokens, context),
-                                                          policy.cfg.gradient_checkpointing)
+                                                          checkpointing)
         return activations + projection_bytes(lm_head, tokens, policy.cfg.logprob_chunk_tokens, vocab_size,
                                               policy.device, with_entropy_grad=cfg.entropy_coef > 0)
 
@@ -145,7 +157,8 @@ def _working_set(cfg: RLConfig, policy: Trainer, vocab_size: int, context: int) 
 
 def fit_memory_budget(cfg: RLConfig, policy: Trainer, reference: Reference | None) -> DeploymentConfig:
     """The deployment config to start under `memory_budget_gib` (the prefix cache's bound lowered where it must be),
-    with the trainers' micro-batch budget lowered where it must be; `cfg.deployment` itself without a budget.
+    with the trainers' micro-batch budget lowered and the policy's activations checkpointed where they must be;
+    `cfg.deployment` itself without a budget.
     A `ConfigError` when the settings cannot fit. Under torchrun rank 0 decides (it holds the engine) and every rank
     applies its decision or raises its error."""
     if cfg.memory_budget_gib is None:
@@ -153,43 +166,49 @@ def fit_memory_budget(cfg: RLConfig, policy: Trainer, reference: Reference | Non
     decision = distributed.broadcast_object(_decide(cfg, policy, reference) if distributed.is_main() else None)
     if isinstance(decision, str):
         raise ConfigError(decision)
-    prefix_cache, microbatch_tokens = decision
+    prefix_cache, microbatch_tokens, checkpointing = decision
     for trainer in (policy, reference):
         if isinstance(trainer, Trainer) and trainer.cfg.max_tokens_per_microbatch != microbatch_tokens:
             # The trainers read their micro-batch budget at each call; the config the user wrote stays as written.
             trainer.cfg = trainer.cfg.model_copy(update={"max_tokens_per_microbatch": microbatch_tokens})
+    if checkpointing and not policy.cfg.gradient_checkpointing:  # the reference computes without grad: no activations
+        enable_activation_checkpointing(policy.model)
+        policy.cfg = policy.cfg.model_copy(update={"gradient_checkpointing": True})
     if prefix_cache is None:
         return cfg.deployment
     return cfg.deployment.model_copy(update={"prefix_cache_bytes": prefix_cache})
 
 
-def _decide(cfg: RLConfig, policy: Trainer, reference: Reference | None) -> tuple[int | None, int] | str:
-    """(the prefix cache's byte bound, None to keep it; the micro-batch tokens), or the refusal's message."""
+def _decide(cfg: RLConfig, policy: Trainer, reference: Reference | None) -> tuple[int | None, int, bool] | str:
+    """(the prefix cache's byte bound, None to keep it; the micro-batch tokens; checkpointing), or the refusal's
+    message."""
     estimate = estimate_memory(cfg, policy, reference)
     budget = int(cfg.memory_budget_gib * GIB)
     needed = sum(estimate.parts().values())
     fitted = estimate.fit(budget)
     if fitted is None:
         floor = min(estimate.microbatch_tokens, MIN_MICROBATCH_TOKENS)
-        least = sum(estimate.parts(estimate.prefix_cache_floor, floor).values())
+        least = sum(estimate.parts(estimate.prefix_cache_floor, floor, checkpointing=True).values())
         return (f"memory_budget_gib={cfg.memory_budget_gib:g} is too small for this model and these settings: the "
                 f"run needs about {needed / GIB:.2f} GiB as configured ({_biggest(estimate.parts())}), and still "
-                f"{least / GIB:.2f} GiB with the prefix cache at one context and trainer.max_tokens_per_microbatch at "
-                f"{floor}, the least the budget lowers them to. Lower deployment.max_batch_requests or "
-                "deployment.max_context_tokens (the KV cache holds that many rows of that context), lower "
-                "trainer.max_tokens_per_microbatch, train LoRA adapters (trainer.lora_rank > 0: gradients and AdamW "
-                "state for the adapters only, no reference copy), or raise memory_budget_gib")
-    prefix_cache, microbatch_tokens = fitted
+                f"{least / GIB:.2f} GiB with the prefix cache at one context, trainer.max_tokens_per_microbatch at "
+                f"{floor} and activations checkpointed, the least the budget lowers them to. Lower "
+                "deployment.max_batch_requests or deployment.max_context_tokens (the KV cache holds that many rows of "
+                "that context), lower trainer.max_tokens_per_microbatch, train LoRA adapters (trainer.lora_rank > 0: "
+                "gradients and AdamW state for the adapters only, no reference copy), or raise memory_budget_gib")
+    prefix_cache, microbatch_tokens, checkpointing = fitted
     changes = []
     if prefix_cache != estimate.prefix_cache:
         changes.append(f"deployment.prefix_cache_bytes {estimate.prefix_cache} -> {prefix_cache}")
     if microbatch_tokens != estimate.microbatch_tokens:
         changes.append(f"trainer.max_tokens_per_microbatch {estimate.microbatch_tokens} -> {microbatch_tokens}")
-    planned = sum(estimate.parts(prefix_cache, microbatch_tokens).values())
+    if checkpointing != estimate.checkpointing:
+        changes.append("trainer.gradient_checkpointing False -> True")
+    planned = sum(estimate.parts(prefix_cache, microbatch_tokens, checkpointing).values())
     log.info("memory_budget_gib=%g: the run needs about %.2f GiB as configured (%s)%s", cfg.memory_budget_gib,
              needed / GIB, _biggest(estimate.parts()),
              f"; to fit, {', '.join(changes)} (about {planned / GIB:.2f} GiB)" if changes else "")
-    return (prefix_cache if prefix_cache != estimate.prefix_cache else None), microbatch_tokens
+    return (prefix_cache if prefix_cache != estimate.prefix_cache else None), microbatch_tokens, checkpointing
 
 
 def _biggest(parts: dict[str, int], count: int = 4) -> str:

@@ -133,7 +133,7 @@ class Trainer:
             self.model = model = wrap_with_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                                 dropout=cfg.lora_dropout, target_modules=cfg.lora_target_modules)
         if cfg.gradient_checkpointing:
-            _enable_activation_checkpointing(model)
+            enable_activation_checkpointing(model)
         self._shard_if_distributed()
         if cfg.compile_layers:
             self.compiled_layers = CompiledLayers(model)
@@ -491,7 +491,7 @@ Reference = Trainer | AdapterDisabledReference
 """What computes reference logprobs: a frozen `Trainer`, or a LoRA policy's base model."""
 
 
-def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """HF activation checkpointing, non-reentrant (the reentrant form needs inputs that require grad)."""
     # transformers 5.17 (our lowest supported) only has the old name; later releases keep it as a
     # deprecated alias that warns on every call.
