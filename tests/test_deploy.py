@@ -191,18 +191,22 @@ def test_split_by_length_pays_an_extra_forward_only_when_padding_costs_more():
 def test_kv_batch_split_prefill_matches_generate(tiny):
     """What a split prefill does: the longest prompts start the batch, shorter ones join it."""
     model, _ = tiny
-    chunks = [[list(range(10, 60)), list(range(70, 110))], [[5, 6, 7, 8, 9, 10]], [[7, 8, 9], [11, 12]]]
+    chunks = [[list(range(10, 60)), list(range(70, 110))], [[5, 6, 7, 8, 9, 10]], [[13, 14]], [[7, 8, 9], [11, 12]],
+              [list(range(20, 40))] * 2]
+    rebuilt, slots = [], []
     with torch.inference_mode():
         batch, logits = KVBatch.prefill(model, chunks[0])
         logits_P = [logits]
-        for i, chunk in enumerate(chunks[1:]):
+        for chunk in chunks[1:]:
             new, logits = KVBatch.prefill(model, chunk)
             joined = batch.insert(new, row_capacity=8)
-            # The first insert outgrows the rows of the first prefill: one rebuild with spare
-            # rows; the next fits the batch's rows and width and is written in place.
-            assert (joined is batch) == (i == 1)
+            rebuilt.append(joined is not batch)
+            slots.append(joined.row_capacity)
             batch = joined
             logits_P.append(logits)
+        # Rows outgrowing the slots rebuild the batch with slots up to the next power of two of its rows, at most
+        # row_capacity; rows that fit the slots and the width are written in place.
+        assert rebuilt == [True, False, True, False] and slots == [4, 4, 8, 8]
         outputs = [[int(t)] for t in torch.cat(logits_P).argmax(-1)]
         for _ in range(5):
             logits = batch.decode(model, torch.tensor([o[-1] for o in outputs]))
@@ -308,7 +312,7 @@ def test_kv_batch_trim_after_the_long_row_leaves(tiny):
         assert batch.remove([0]) == [1]
         outputs = outputs[1:]
         trimmed = batch.maybe_trim(row_capacity=4)
-        assert trimmed is not batch and trimmed.length == len(short_prompt) + 3 and trimmed.row_capacity == 4
+        assert trimmed is not batch and trimmed.length == len(short_prompt) + 3 and trimmed.row_capacity == 1
         for _ in range(4):
             logits = trimmed.decode(model, torch.tensor([o[-1] for o in outputs]))
             outputs[0].append(int(logits.argmax(-1)[0]))

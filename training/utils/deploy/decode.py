@@ -17,7 +17,8 @@ Each layer's keys/values live in buffers of shape (R, H, C, D) with spare rows a
 instead re-concatenates the whole cache every step). Live rows are the first B slots.
 - New rows are prefilled on their own (left-padded among themselves) and copied into free
   slots, right-aligned to column L (`insert`): only the new rows are written. A prompt
-  longer than L, or more rows than free slots, rebuilds the batch once (`gather`). A rebuild
+  longer than L, or more rows than free slots, rebuilds the batch once (`gather`), with
+  free slots up to the next power of two of its rows. A rebuild
   consumes the batches it copies from: each layer's old buffers go as soon as that layer is
   copied, so a rebuild needs one layer's buffers more than the new batch, not a second batch.
 - Finished rows are dropped by moving the last live rows into their slots (`remove`):
@@ -339,9 +340,14 @@ class KVBatch:
             layer._refresh_views()
 
     def _rebuild(self, parts: Sequence[tuple[KVBatch, Sequence[int] | None]], row_capacity: int) -> KVBatch:
-        """`gather(parts)`: a new batch, or with stable buffers, the same rows copied into this batch's buffers."""
+        """`gather(parts)`: a new batch, or with stable buffers, the same rows copied into this batch's buffers.
+
+        A new batch gets spare rows up to the next power of two of its rows, at most `row_capacity`: later rows
+        then join in place, rebuilding only when the rows double, and a few long rows (an agent's) do not reserve
+        keys/values for all `row_capacity` slots at their width."""
         if not self.stable_buffers:
-            return KVBatch.gather(parts, row_capacity, consume=True)
+            rows = sum(batch.rows if picked is None else len(picked) for batch, picked in parts)
+            return KVBatch.gather(parts, min(row_capacity, next_power_of_two(rows)), consume=True)
         staged = KVBatch.gather(parts)
         if staged.rows > self.row_capacity:
             raise ValueError(f"{staged.rows} rows do not fit the {self.row_capacity} slots of a stable batch")
