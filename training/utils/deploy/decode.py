@@ -18,9 +18,9 @@ instead re-concatenates the whole cache every step). Live rows are the first B s
 - New rows are prefilled on their own (left-padded among themselves) and copied into free
   slots, right-aligned to column L (`insert`): only the new rows are written. A prompt
   longer than L, or more rows than free slots, rebuilds the batch once (`gather`), with
-  free slots up to the next power of two of its rows. A rebuild
-  consumes the batches it copies from: each layer's old buffers go as soon as that layer is
-  copied, so a rebuild needs one layer's buffers more than the new batch, not a second batch.
+  free slots up to the next power of two of its rows. A rebuild consumes the batches it
+  copies from: each old layer's buffers go as soon as that layer is copied, so it needs one
+  layer's buffers more than the new batch, not a second batch.
 - Finished rows are dropped by moving the last live rows into their slots (`remove`):
   only the moved rows are copied, and the caller reorders its own row list the same way.
 - When every live row has a long stretch of padding on its left (the rows that needed

@@ -16,11 +16,11 @@ The estimate adds up:
 To fit, the prefix cache's bound is lowered first (down to one context's keys/values, or the bound set if lower:
 the longest prompt still fits, so a row's later draws and a session's next turn still find theirs), then
 `trainer.max_tokens_per_microbatch` (down to `MIN_MICROBATCH_TOKENS`: smaller micro-batches only cost more
-forwards), then activation checkpointing is turned on (`trainer.gradient_checkpointing`: about a tenth of the
-activations, for one more forward of each micro-batch) with the micro-batch budget as set, lowered again only if it
-must. Not counted: memory malloc holds freed (`mem/malloc_free` under glibc), an engine forward's
-transient buffers, and a datum longer than the micro-batch budget, which trains alone at its own length (bound it
-with `max_sequence_tokens`). Each step's `mem/rss_peak` shows what the estimate missed.
+forwards), then activation checkpointing is turned on (`trainer.gradient_checkpointing`: each layer's input kept
+instead of all its activations, for one more forward of each micro-batch) with the micro-batch budget as set,
+lowered again only if it must. Not counted: memory malloc holds freed (`mem/malloc_free` under glibc), an engine
+forward's transient buffers, and a datum longer than the micro-batch budget, which trains alone at its own length
+(bound it with `max_sequence_tokens`). Each step's `mem/rss_peak` shows what the estimate missed.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ cfg = Config(
     completions_per_prompt=8, prompt_groups_per_step=2, max_steps=15, max_head_offpolicy_versions=1,
     # 16 tokens hold any completed equation ("9 + 9 = 18"); a rambling reply is cut and misses the format.
     sampling=SamplingConfig(max_tokens=16, temperature=0.7),
-    # Recomputing activations in the backward keeps a laptop's memory (an agent's prompts make long training
-    # rows), for a few percent more time (benchmarks/RESULTS.md).
+    # Activations recomputed in the backward instead of kept: an agent's prompts make long training rows, and a
+    # laptop's memory is what bounds them (benchmarks/RESULTS.md weighs the memory against the time).
     trainer=TrainerConfig(learning_rate=2e-5, gradient_checkpointing=True),
     # The shim is the agent's model endpoint; one agent run may take minutes on a CPU.
     agent_shim=AgentShimConfig(enabled=True), rollout_timeout_s=300,

@@ -23,8 +23,8 @@ cfg = Config(
     model="smollm2-135m-instruct", log_path="runs/multi_turn_message_in",
     completions_per_prompt=8, prompt_groups_per_step=8, max_steps=16, max_head_offpolicy_versions=1,
     sampling=SamplingConfig(max_tokens=32, temperature=0.8),
-    # Recomputing activations in the backward keeps a laptop's memory (the turns make long training rows): a
-    # third less peak memory for a few percent more time (benchmarks/RESULTS.md).
+    # Activations recomputed in the backward instead of kept: the turns make long training rows, and a
+    # laptop's memory is what bounds them (benchmarks/RESULTS.md weighs the memory against the time).
     trainer=TrainerConfig(learning_rate=2e-5, gradient_checkpointing=True),
 )
 
