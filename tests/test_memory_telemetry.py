@@ -111,6 +111,7 @@ def test_the_engine_reports_its_weights_kv_batch_and_prefix_cache_in_bytes():
     # Each finished sequence (prompt + the 4 outputs fed back) replaced its prompt in the cache.
     assert stats["prefix_cache"] == 3 * 24 * TOKEN_KV_BYTES
     assert (again["kv_cache_reserved"], again["kv_cache_used"]) == (0, 0), "the most since the previous call"
+    assert again["prefix_cache"] == stats["prefix_cache"], "what the prefix cache still holds"
 
 
 # ---------------------------------------------------------------------------- the prefix cache's byte bound
@@ -122,6 +123,23 @@ def fake_kv(n: int) -> torch.Tensor:
 
 def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(10, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+
+def test_the_prefix_cache_reports_the_most_it_held_since_the_previous_read():
+    """A weight sync empties the cache before the step's record is taken: the record shows what it held."""
+    cache = PrefixCache(max_tokens=1000, max_bytes=64 * 100)
+    assert cache.take_most_bytes() == 0
+    cache.add(tokens(40, 0), lambda: fake_kv(40))
+    cache.add(tokens(50, 1), lambda: fake_kv(50))
+    assert cache.num_bytes == 64 * 90
+    cache.add(tokens(30, 2), lambda: fake_kv(30))  # 120 tokens' bytes: over the bound, the first is evicted
+    assert cache.num_bytes == 64 * 80
+    cache.clear()  # a weight sync
+    assert cache.take_most_bytes() == 64 * 90, "the most held, within the bound"
+    assert cache.take_most_bytes() == 0, "counted anew"
+    cache.add(tokens(20, 3), lambda: fake_kv(20))
+    assert cache.take_most_bytes() == cache.take_most_bytes() == 64 * 20, "what it holds now, when that is the most"
 
 
 def test_the_prefix_cache_evicts_by_bytes_and_keeps_nothing_larger_than_its_byte_bound():

@@ -127,8 +127,8 @@ class Engine:
         return self._thread.is_alive() and not self._closing
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes the engine holds (`EngineMemory.stats`): `weights`, `kv_cache_reserved` and `kv_cache_used` at
-        their most since the previous call, `prefix_cache` now. Callable from any thread."""
+        """Bytes the engine holds (`EngineMemory.stats`): `weights`; `kv_cache_reserved`, `kv_cache_used` and
+        `prefix_cache` at their most since the previous call. Callable from any thread."""
         return self._memory.stats(self._batch, self._prefix_cache)
 
     async def generate(

@@ -1,5 +1,5 @@
 """What the embedded engine holds, for `Engine.memory_stats()`: its weights, its KV batch's buffers at their most
-since the previous read, and its prefix cache.
+since the previous read, and its prefix cache's keys/values, also at their most since the previous read.
 
 A batch's buffers come and go within a step (the synchronous recipe's rollouts end before the step does), so a
 snapshot at the step's end would see none: the engine thread notes them before each decode step, when the batch
@@ -40,7 +40,7 @@ class EngineMemory:
         """Bytes: `weights`; `kv_cache_reserved` (the KV batch's buffers, spare rows and columns included) and
         `kv_cache_used` (their live rows x filled columns), each the most noted since the previous call or the
         current batch's (`batch`, read without stopping the engine: it may straddle a step), whichever is more;
-        `prefix_cache`, the keys/values it holds now."""
+        `prefix_cache`, the most keys/values it held since the previous call (`PrefixCache.take_most_bytes`)."""
         with self._lock:
             reserved, used = self._most_reserved, self._most_used
             self._most_reserved = self._most_used = 0
@@ -48,4 +48,4 @@ class EngineMemory:
             reserved = max(reserved, batch.reserved_bytes())
             used = max(used, batch.rows * batch.length * batch.token_bytes())
         return {"weights": self.weight_bytes, "kv_cache_reserved": reserved, "kv_cache_used": used,
-                "prefix_cache": prefix_cache.num_bytes if prefix_cache is not None else 0}
+                "prefix_cache": prefix_cache.take_most_bytes() if prefix_cache is not None else 0}

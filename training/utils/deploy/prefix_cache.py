@@ -76,7 +76,7 @@ class PrefixCache:
     """Keys/values of token sequences, at most `max_tokens` tokens and `max_bytes` bytes in all (None: no byte
     bound), least recently used evicted first.
 
-    Owned by the engine thread (not thread-safe); `num_bytes` may be read from any thread.
+    Owned by the engine thread (not thread-safe); `num_bytes` and `take_most_bytes` may be used from any thread.
     """
 
     def __init__(self, max_tokens: int, max_bytes: int | None = None):
@@ -86,6 +86,7 @@ class PrefixCache:
         self.num_bytes = 0
         """Bytes of the keys/values held, counted as entries come and go (one int: a read from another thread is
         whole)."""
+        self._most_bytes = 0  # the most `num_bytes` since `take_most_bytes` last read it
         self._token_bytes = 0  # keys/values of one token, known from the first entry: skips copying what cannot fit
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._by_block: dict[int, set[int]] = {}  # block hash -> entries holding that prefix
@@ -143,6 +144,14 @@ class PrefixCache:
         self.num_bytes += kv.nbytes
         while self.num_tokens > self.max_tokens or not self._fits(self.num_bytes):
             self._remove(next(iter(self._entries)))
+        self._most_bytes = max(self._most_bytes, self.num_bytes)
+
+    def take_most_bytes(self) -> int:
+        """The most bytes held since the previous call (or since the cache was made), and start counting anew. The
+        cache is emptied at every weight sync, so what it holds at a step's end says little of what it held.
+        From another thread, an entry added during the call may count toward the next call instead."""
+        most, self._most_bytes = max(self._most_bytes, self.num_bytes), self.num_bytes
+        return most
 
     def clear(self) -> None:
         self._entries.clear()
