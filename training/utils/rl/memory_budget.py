@@ -36,8 +36,7 @@ from training.utils.deploy import engine_dtype
 from training.utils.deploy.prefix_cache import prefix_cache_bounds
 from training.utils.errors import ConfigError
 from training.utils.memory import GIB, current_rss_bytes, kv_bytes_per_token, peak_rss_bytes, storage_bytes
-from training.utils.trainer import Reference, Trainer
-from training.utils.trainer.core import enable_activation_checkpointing
+from training.utils.trainer import Reference, Trainer, enable_activation_checkpointing
 from training.utils.trainer.logprob_head import projection_bytes
 
 log = logging.getLogger("training")

@@ -3,7 +3,7 @@ chunked vocabulary projection (`logprob_head`), optimizer schedule and update gu
 layers (`compiled`), FSDP2 pieces (`sharding`), prefix sharing (`shared_prefix`) and precision (`precision`)."""
 
 from training.utils.trainer.batching import Datum, MicroBatch, plan_microbatches
-from training.utils.trainer.core import AdapterDisabledReference, Reference, Trainer
+from training.utils.trainer.core import AdapterDisabledReference, Reference, Trainer, enable_activation_checkpointing
 from training.utils.trainer.optim import lr_multiplier
 from training.utils.trainer.precision import compute_dtype, resolve_precision, weight_dtype
 
@@ -14,6 +14,7 @@ __all__ = [
     "Reference",
     "Trainer",
     "compute_dtype",
+    "enable_activation_checkpointing",
     "lr_multiplier",
     "plan_microbatches",
     "resolve_precision",
