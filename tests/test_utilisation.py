@@ -227,10 +227,14 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes):
     first = utilisation.step_metrics(times, policy, None, deployment)
     # The prefill as 8 whole prompts of 5 tokens: 40·147456 + 8·33280 + 8·15·512 FLOPs in 1 ms, against 1e12 FLOP/s.
     prefill = 40 * PER_TOKEN + 8 * PER_PROJECTED + 120 * PER_PAIR
+    # Decoding one token is at least its weight matmuls and its vocabulary projection: at 1e12 FLOP/s, at most
+    # 1e12 / (147456 + 33280) tokens/s whatever the rows; reading 440 bytes a step at 1e10 B/s, 8 rows a step.
+    compute_bound = 1e12 / (PER_TOKEN + PER_PROJECTED)
     assert first == pytest.approx({"perf/trainer_mfu": 3e9 / 1.0 / 1e12, "perf/trainer_tflops": 3e9 / 1e12,
                                    "perf/engine_prefill_mfu": prefill / 0.001 / 1e12,
                                    "perf/engine_decode_tokens_per_s": 64.0,
-                                   "perf/engine_decode_bound_tokens_per_s": 1e10 / 440 * 8})
+                                   "perf/engine_decode_bound_tokens_per_s": 1e10 / 440 * 8,
+                                   "perf/engine_decode_compute_bound_tokens_per_s": compute_bound})
     # The next step: only what grew. No prefill and no decode this time; the trainer's FLOPs grew by 1e9.
     policy.flops = 4e9
     second = utilisation.step_metrics(times, policy, None, deployment)
@@ -240,10 +244,14 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes):
         "rollout_wait_share": 0.4, "train_share": 0.5, "weight_sync_share": 0.05, "ref_forward_share": 0.1,
         "old_policy_forward_share": 0.0, "fwd_bwd_share": 0.3, "optim_step_share": 0.05,
         "trainer_mfu": 4e9 / 2.0 / 1e12, "engine_prefill_mfu": prefill / 0.001 / 1e12,
-        "engine_decode_tokens_per_s": 64.0, "engine_decode_bound_tokens_per_s": 1e10 / 440 * 8})
+        "engine_decode_tokens_per_s": 64.0, "engine_decode_bound_tokens_per_s": 1e10 / 440 * 8,
+        "engine_decode_compute_bound_tokens_per_s": compute_bound})
     text = utilisation.summary_text()
     assert "rollout_wait 40%, train 50%, weight_sync 5% (of it ref_forward 10%" in text
-    assert "trainer 0.2% of the float32 peak" in text and "decode 64 tokens/s of a" in text
+    # The bounds as printed, the smaller first: compute 5,532,932 tokens/s, against 181,818,182 from the bandwidth.
+    assert "trainer 0.2% of the float32 peak" in text
+    assert ("decode 64 tokens/s of the 5532932 its bounds allow (5532932 at the float32 peak, 181818182 at the memory "
+            "bandwidth)") in text
 
 
 def test_an_external_server_gets_no_engine_utilisation(probes):
@@ -257,7 +265,8 @@ def test_an_external_server_gets_no_engine_utilisation(probes):
 
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(4)]
 UTILISATION_KEYS = {"perf/trainer_mfu", "perf/trainer_tflops", "perf/engine_prefill_mfu",
-                    "perf/engine_decode_tokens_per_s", "perf/engine_decode_bound_tokens_per_s"}
+                    "perf/engine_decode_tokens_per_s", "perf/engine_decode_bound_tokens_per_s",
+                    "perf/engine_decode_compute_bound_tokens_per_s"}
 
 
 def sampling_rollouts(setup):

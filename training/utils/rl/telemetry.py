@@ -21,10 +21,11 @@ thread's `engine_prefill_time` / `engine_decode_time`. External servers report n
 
 Utilisation (`Utilisation`, formulas in docs/metrics.md): the trainers' model FLOPs of the step (`Trainer.flops`)
 over `train_time` and the peak of their compute dtype (`trainer_mfu`, `trainer_tflops`); the engine's prefill
-FLOPs over its prefill time and the peak of its dtype (`engine_prefill_mfu`); its decode rate beside the bound the
-memory bandwidth sets (`engine_decode_tokens_per_s`, `engine_decode_bound_tokens_per_s`). The peaks come from
-`machine_peak`, measured once per machine and cached. At the end of a run, `Utilisation.summary_text()`: where the
-step time went, and the run's mean utilisation.
+FLOPs over its prefill time and the peak of its dtype (`engine_prefill_mfu`); its decode rate beside the two bounds
+the machine sets, reading the weights at the memory bandwidth (`engine_decode_bound_tokens_per_s`) and their matmuls
+at the peak (`engine_decode_compute_bound_tokens_per_s`): with many rows a step on a CPU is bound by arithmetic.
+The peaks come from `machine_peak`, measured once per machine and cached. At the end of a run,
+`Utilisation.summary_text()`: where the step time went, and the run's mean utilisation.
 
 `rollout/inference_drift_k1|k3`: how far the distribution the engine sampled from (`logprobs`, μ)
 is from its raw one (`raw_logprobs`, before temperature and top-p/top-k; ρ), on the trained tokens
@@ -41,7 +42,7 @@ import numpy as np
 from training.utils import machine_peak
 from training.utils.config import DeploymentConfig
 from training.utils.deploy import Deployment, engine_dtype
-from training.utils.flops import cached_forward_flops
+from training.utils.flops import cached_forward_flops, forward_flops
 from training.utils.rl.rollout.types import PromptGroup, RolloutRun
 from training.utils.rl.train_step import PHASES
 from training.utils.trainer import Reference, Trainer, compute_dtype
@@ -148,6 +149,9 @@ class Utilisation:
     """The trainer's and the engine's compute dtype, by name."""
     engine_weight_bytes: float
     """What a decode step reads: the policy's parameters in the engine's dtype."""
+    decoded_token_flops: float | None
+    """The weight matmuls of one decoded token (the decoder's and the vocabulary projection), attention left out; None
+    where the model's FLOPs are not counted."""
     last: dict[str, float] = field(default_factory=dict)
     """The cumulative counters at the previous step: the trainers' FLOPs, the engine's `engine_stats()`."""
     totals: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -161,7 +165,10 @@ class Utilisation:
         peaks["bandwidth"] = machine_peak.memory_bandwidth(policy.device).value
         # A decode step reads every weight once: the policy's parameters, in the engine's dtype.
         weight_bytes = float(sum(p.numel() for p in policy.model.parameters()) * dtypes["engine"].itemsize)
-        return cls(peaks, {name: str(dtype).removeprefix("torch.") for name, dtype in dtypes.items()}, weight_bytes)
+        token_flops = None if policy.flop_shape is None else forward_flops(policy.flop_shape, tokens=1,
+                                                                           attention_pairs=0, projected=1)
+        return cls(peaks, {name: str(dtype).removeprefix("torch.") for name, dtype in dtypes.items()}, weight_bytes,
+                   token_flops)
 
     def step_metrics(self, metrics: dict, policy: Trainer, reference: Reference | None,
                      deployment: Deployment) -> dict[str, float]:
@@ -206,14 +213,18 @@ class Utilisation:
             for key in ("output_tokens", "decode_steps", "decode_time_s"):
                 self.totals[key] += grown[key]
             metrics["perf/engine_decode_tokens_per_s"] = grown["output_tokens"] / grown["decode_time_s"]
-            metrics["perf/engine_decode_bound_tokens_per_s"] = self._decode_bound(grown["output_tokens"],
-                                                                                  grown["decode_steps"])
+            metrics |= self._decode_bounds(grown["output_tokens"], grown["decode_steps"], "perf/engine_")
         return metrics
 
-    def _decode_bound(self, tokens: float, steps: float) -> float:
-        """Tokens per second if each decode step took only the time to read the weights once at the measured
-        bandwidth, with the rows per step seen."""
-        return self.peaks["bandwidth"] / self.engine_weight_bytes * tokens / steps
+    def _decode_bounds(self, tokens: float, steps: float, prefix: str) -> dict[str, float]:
+        """The decode rates that reading the weights once a step at the measured bandwidth (with the rows per step
+        seen) and computing each token's weight matmuls at the engine dtype's peak would allow: upper bounds, as
+        neither counts attention."""
+        rows = tokens / steps
+        bounds = {f"{prefix}decode_bound_tokens_per_s": self.peaks["bandwidth"] / self.engine_weight_bytes * rows}
+        if self.decoded_token_flops:
+            bounds[f"{prefix}decode_compute_bound_tokens_per_s"] = self.peaks["engine"] / self.decoded_token_flops
+        return bounds
 
     def summary(self) -> dict[str, float]:
         """The share of the run's step time per part and trainer phase, and its mean utilisation: totals over totals."""
@@ -227,7 +238,7 @@ class Utilisation:
             summary["engine_prefill_mfu"] = t["prefill_flops"] / t["prefill_time"] / self.peaks["engine"]
         if t["decode_time_s"] > 0:
             summary["engine_decode_tokens_per_s"] = t["output_tokens"] / t["decode_time_s"]
-            summary["engine_decode_bound_tokens_per_s"] = self._decode_bound(t["output_tokens"], t["decode_steps"])
+            summary |= self._decode_bounds(t["output_tokens"], t["decode_steps"], "engine_")
         return summary
 
     def summary_text(self) -> str:
@@ -245,8 +256,11 @@ class Utilisation:
         if "engine_prefill_mfu" in s:
             use.append(f"engine prefill {s['engine_prefill_mfu']:.1%} of the {self.dtypes['engine']} peak")
         if "engine_decode_tokens_per_s" in s:
-            use.append(f"decode {s['engine_decode_tokens_per_s']:.0f} tokens/s of a "
-                       f"{s['engine_decode_bound_tokens_per_s']:.0f} tokens/s bandwidth bound")
+            bandwidth = s["engine_decode_bound_tokens_per_s"]
+            compute = s.get("engine_decode_compute_bound_tokens_per_s", bandwidth)
+            use.append(f"decode {s['engine_decode_tokens_per_s']:.0f} tokens/s of the {min(bandwidth, compute):.0f} "
+                       f"its bounds allow ({compute:.0f} at the {self.dtypes['engine']} peak, {bandwidth:.0f} at the "
+                       "memory bandwidth)")
         if use:
             lines.append("  utilisation: " + "; ".join(use))
         return "\n".join(lines)

@@ -29,7 +29,10 @@ cfg = Config(
     # P rows x G CLI runs a step; every run is a CLI process with a prompt of many thousand tokens.
     completions_per_prompt=4, prompt_groups_per_step=2, max_steps=20, max_head_offpolicy_versions=1,
     # A reply may hold a tool call with a file's content.
-    sampling=SamplingConfig(max_tokens=2048, temperature=1.0), trainer=TrainerConfig(learning_rate=1e-6),
+    sampling=SamplingConfig(max_tokens=2048, temperature=1.0),
+    # Activations recomputed in the backward instead of kept: a CLI's first prompt alone is 7k-17k tokens, whose
+    # kept activations would outgrow any laptop's memory (benchmarks/RESULTS.md counts them).
+    trainer=TrainerConfig(learning_rate=1e-6, gradient_checkpointing=True),
     # The shim is the CLI's model endpoint; the rollout's own limit leaves the CLI's (agent_timeout_s) room.
     agent_shim=AgentShimConfig(enabled=True), rollout_timeout_s=900,
 )
