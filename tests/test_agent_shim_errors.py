@@ -281,10 +281,14 @@ def test_sampler_timeout_or_outage_is_a_503_without_integrity_flag(tiny):
     """A sampler timeout or outage is a 503 counted as a sampling failure, not an integrity failure."""
 
     async def scenario():
-        async with shim_stack(tiny, request_timeout_s=0.3) as (shim, spy):
+        # The request's deadline covers rendering the prompt too: a first call on another session renders the
+        # template once (cold, it can take longer than a short deadline on a loaded machine), and the deadline is
+        # a second, so that only the sampler's delay can miss it.
+        async with shim_stack(tiny, request_timeout_s=1.0) as (shim, spy):
+            await openai_client(shim.open_session()).chat.completions.create(**OPENAI_BODY)
             session = shim.open_session()
             client = openai_client(session)
-            spy.delay = 2.0
+            spy.delay = 4.0
             with pytest.raises(openai.InternalServerError, match="sampling failed") as info:
                 await client.chat.completions.create(**OPENAI_BODY)
             assert info.value.status_code == 503
