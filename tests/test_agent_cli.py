@@ -26,7 +26,7 @@ from shim_support import scripted, shim_stack
 from training.examples.rl.cli_agent import task
 from training.examples.rl.cli_agent.rollout import make_rollout_fn
 from training.recipes import async_rl_loop
-from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
+from training.utils.config import AgentShimConfig, SamplingConfig
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer, smollm2_available
 from training.utils.rl.rollout.types import RolloutSetup, validate_run
@@ -116,7 +116,8 @@ def test_three_training_steps_with_claude_code_drop_no_draw(tiny_model_dir, tmp_
     cfg = train.cfg.model_copy(update=dict(
         model=str(tiny_model_dir), log_path=str(run_dir), progress=False, max_steps=3,
         completions_per_prompt=2, prompt_groups_per_step=2, rollout_timeout_s=300,
-        sampling=SamplingConfig(max_tokens=32, timeout_s=120), trainer=TrainerConfig(learning_rate=1e-3),
+        sampling=SamplingConfig(max_tokens=32, timeout_s=120),
+        trainer=train.cfg.trainer.model_copy(update=dict(learning_rate=1e-3)),  # its checkpointing kept
         agent_shim=AgentShimConfig(enabled=True)))
     extras = train.rollout_extras | {"agent": "claude", "agent_bin": str(installed_cli("claude")),
                                      "runs_log": str(runs_log), "agent_timeout_s": 240}

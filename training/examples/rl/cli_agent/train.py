@@ -28,13 +28,13 @@ cfg = Config(
     model="Qwen/Qwen3-0.6B", log_path="runs/cli_agent",
     # P rows x G CLI runs a step; every run is a CLI process with a prompt of many thousand tokens.
     completions_per_prompt=4, prompt_groups_per_step=2, max_steps=20, max_head_offpolicy_versions=1,
-    # A reply may hold a tool call with a file's content.
-    sampling=SamplingConfig(max_tokens=2048, temperature=1.0),
-    # Activations recomputed in the backward instead of kept: a CLI's first prompt alone is 7k-17k tokens, whose
-    # kept activations would outgrow any laptop's memory (benchmarks/RESULTS.md counts them).
-    trainer=TrainerConfig(learning_rate=1e-6, gradient_checkpointing=True),
-    # The shim is the CLI's model endpoint; the rollout's own limit leaves the CLI's (agent_timeout_s) room.
-    agent_shim=AgentShimConfig(enabled=True), rollout_timeout_s=900,
+    # A reply may hold a tool call with a file's content; the rollout's own limit leaves the CLI's (agent_timeout_s)
+    # room.
+    sampling=SamplingConfig(max_tokens=2048, temperature=1.0), rollout_timeout_s=900,
+    # The backward recomputes activations instead of keeping them: a CLI's first prompt alone is 7k-17k tokens, and
+    # keeping them would outgrow a laptop's memory (benchmarks/RESULTS.md counts it). The shim is the CLI's model
+    # endpoint.
+    trainer=TrainerConfig(learning_rate=1e-6, gradient_checkpointing=True), agent_shim=AgentShimConfig(enabled=True),
 )
 rollout_extras = {"agent": "claude", "agent_timeout_s": 600, "runs_log": str(Path(cfg.log_path) / "agent_runs.jsonl")}
 TRAIN_ROWS, EVAL_ROWS = 256, 16
