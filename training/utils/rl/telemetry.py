@@ -256,11 +256,14 @@ class Utilisation:
         if "engine_prefill_mfu" in s:
             use.append(f"engine prefill {s['engine_prefill_mfu']:.1%} of the {self.dtypes['engine']} peak")
         if "engine_decode_tokens_per_s" in s:
-            bandwidth = s["engine_decode_bound_tokens_per_s"]
-            compute = s.get("engine_decode_compute_bound_tokens_per_s", bandwidth)
-            use.append(f"decode {s['engine_decode_tokens_per_s']:.0f} tokens/s of the {min(bandwidth, compute):.0f} "
-                       f"its bounds allow ({compute:.0f} at the {self.dtypes['engine']} peak, {bandwidth:.0f} at the "
-                       "memory bandwidth)")
+            rate, bandwidth = s["engine_decode_tokens_per_s"], s["engine_decode_bound_tokens_per_s"]
+            compute = s.get("engine_decode_compute_bound_tokens_per_s")
+            if compute is None:  # the model's FLOPs are not counted
+                use.append(f"decode {rate:.0f} tokens/s of a {bandwidth:.0f} tokens/s bandwidth bound")
+            else:
+                use.append(f"decode {rate:.0f} tokens/s of the {min(bandwidth, compute):.0f} its bounds allow "
+                           f"({compute:.0f} at the {self.dtypes['engine']} peak, {bandwidth:.0f} at the memory "
+                           "bandwidth)")
         if use:
             lines.append("  utilisation: " + "; ".join(use))
         return "\n".join(lines)
