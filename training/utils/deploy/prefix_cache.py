@@ -150,7 +150,7 @@ class PrefixCache:
         """The most bytes held since the previous call (or since the cache was made), and start counting anew. The
         cache is emptied at every weight sync, so what it holds at a step's end says little of what it held.
         From another thread, an entry added during the call may count toward the next call instead."""
-        most, self._most_bytes = max(self._most_bytes, self.num_bytes), self.num_bytes
+        most, self._most_bytes = self._most_bytes, self.num_bytes  # `add` keeps the most at or above what is held
         return most
 
     def clear(self) -> None:
