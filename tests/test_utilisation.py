@@ -45,6 +45,9 @@ def test_the_tiny_configs_shape_and_flops_match_the_hand_count():
     forward = forward_flops(shape, tokens=8, attention_pairs=causal_pairs(3) + causal_pairs(5), projected=8)
     assert forward == 1456640
     assert forward_flops(shape, tokens=8, attention_pairs=21, projected=8, backward=True) == 3 * 1456640
+    # Frozen weights (LoRA) get no gradient: their matmuls twice; 100 adapter weights, 200 FLOPs a token, thrice.
+    assert forward_flops(shape, tokens=8, attention_pairs=21, projected=8, adapter_params=100, backward=True,
+                         weights_trained=False) == 2 * (1179648 + 266240) + 3 * 10752 + 3 * 8 * 200
 
 
 def test_engine_prefill_and_decode_flops_match_the_hand_count():
@@ -93,6 +96,23 @@ def test_the_trainer_counts_the_flops_of_what_it_ran(tiny_trainer):
     # The no-grad logprobs pass projects every real token: 8.
     tiny_trainer.logprobs(datums)
     assert tiny_trainer.flops == 3 * 1718272 + (1474560 + 266240 + 10752)
+
+
+def test_a_lora_backward_computes_no_gradient_of_the_frozen_weights():
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer(tiny_config(260), device="cpu")
+    policy = Trainer(model, TrainerConfig(learning_rate=1e-3, lora_rank=4))
+    # Rank-4 adapters per layer, r·(in + out): q and o 4·128 = 512 each, k and v 4·96 = 384, gate, up and down
+    # 4·192 = 768: 4096; two layers 8192 weights, 16384 FLOPs per token.
+    datums = [make_datum([5, 6, 7, 8], prompt_len=1), make_datum([9, 10, 11, 12, 13, 14], prompt_len=2)]
+    policy.forward_backward(datums, sum_loss)
+    # The first test's micro-batch (10 tokens, 7 projected, 21 pairs): the model's weights twice (the forward and
+    # the inputs' gradients, none of their own), attention and the adapters three times.
+    weights, attention, adapters = 10 * PER_TOKEN + 7 * PER_PROJECTED, 21 * PER_PAIR, 10 * 16384
+    assert policy.flops == 2 * weights + 3 * attention + 3 * adapters
+    # Its reference is the policy with the adapters off: a forward without them, every real token projected.
+    policy.adapter_disabled_reference().logprobs(datums)
+    assert policy.flops == 2 * weights + 3 * attention + 3 * adapters + 10 * PER_TOKEN + 8 * PER_PROJECTED + attention
 
 
 def test_a_shared_prefix_is_counted_once(tiny_trainer):

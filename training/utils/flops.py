@@ -2,17 +2,16 @@
 
 Model FLOPs count the arithmetic the model needs, not what a kernel happens to run: 2 per weight of a
 matmul per token (a multiply and an add); 4 per layer, query head and head dimension per attended
-(query, key) pair (q·k, then the weighted v); the vocabulary projection only at the positions projected.
-A backward costs two forwards (the gradients of the inputs and of the weights). Norms, activations, the
-softmax, embedding lookups and biases are left out: they are not matmuls.
+(query, key) pair (q·k, then the weighted v); the vocabulary projection only at the positions projected;
+LoRA adapters, 2 per adapter weight per token. A backward computes every matmul's input gradient, attention's
+twice, and the weight gradients of what trains: all weights, or with LoRA the adapters' only (the frozen
+weights get none). Norms, activations, the softmax, embedding lookups and biases are left out: they are not
+matmuls. Recomputation (activation checkpointing) is not model arithmetic and is not counted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-BACKWARD_FORWARDS = 2
-"""A backward's FLOPs in forwards: one matmul for the inputs' gradient, one for the weights'."""
 
 _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 """Config fields of mixture-of-experts models, whose tokens pass through only some of the MLP weights."""
@@ -73,12 +72,26 @@ def shared_prefix_pairs(prefix_len: int, lengths: list[int]) -> float:
 
 
 def forward_flops(shape: DecoderShape, *, tokens: float, attention_pairs: float, projected: float,
-                  backward: bool = False) -> float:
-    """A forward (and with `backward`, its backward too) of `tokens` through the decoder's matmuls, attention over
-    `attention_pairs`, and the vocabulary projection at `projected` positions."""
-    forward = (2 * shape.matmul_params * tokens + 2 * shape.lm_head_params * projected
-               + 4 * shape.layers * shape.heads * shape.head_dim * attention_pairs)
-    return forward * (1 + BACKWARD_FORWARDS) if backward else forward
+                  adapter_params: float = 0, backward: bool = False, weights_trained: bool = True) -> float:
+    """A forward of `tokens` through the decoder's matmuls (and `adapter_params` LoRA adapter weights: r·(in + out)
+    per adapted matmul), attention over `attention_pairs`, and the vocabulary projection at `projected` positions.
+
+    With `backward`, its backward too: the inputs' gradients (the weights' matmuls once more, the adapters' twice:
+    their inputs' and their own gradients), attention's twice (the scores' two operands, the mix's two), and with
+    `weights_trained` the weights' gradients (once more); without it (LoRA) the frozen weights get none. Full
+    fine-tuning: 3 forwards."""
+    weights, attention, adapters = _forward_parts(shape, tokens, attention_pairs, projected, adapter_params)
+    forward = weights + attention + adapters
+    if not backward:
+        return forward
+    return forward + weights + 2 * attention + 2 * adapters + (weights if weights_trained else 0)
+
+
+def _forward_parts(shape: DecoderShape, tokens: float, attention_pairs: float, projected: float,
+                   adapter_params: float) -> tuple[float, float, float]:
+    """A forward's FLOPs in the model's weights (decoder and vocabulary projection), attention and adapters."""
+    weights = 2 * shape.matmul_params * tokens + 2 * shape.lm_head_params * projected
+    return weights, 4 * shape.layers * shape.heads * shape.head_dim * attention_pairs, 2 * adapter_params * tokens
 
 
 def cached_forward_flops(shape: DecoderShape, *, rows: float, new_tokens: float, cached_tokens: float = 0) -> float:

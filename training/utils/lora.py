@@ -28,6 +28,7 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -35,6 +36,9 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from training.utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    from training.utils.trainer import Datum, Trainer
 
 ADAPTER = "default"
 """The one adapter the trainer creates (peft's default name)."""
@@ -76,6 +80,36 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
     """Run `model` as its base model: adapters skipped (not merged and unmerged, so exact)."""
     with model.disable_adapter():
         yield
+
+
+def active_adapter_params(model: torch.nn.Module) -> int:
+    """The adapter weights a token passes through now: r·(in + out) per adapted layer whose adapters are on (peft's
+    `disable_adapter()` turns them off); 0 for a model without adapters."""
+    from peft.tuners.lora import LoraLayer
+
+    return sum(p.numel() for module in model.modules() if isinstance(module, LoraLayer) and not module.disable_adapters
+               for adapters in (module.lora_A, module.lora_B) for p in adapters.parameters()) if is_lora(model) else 0
+
+
+class AdapterDisabledReference:
+    """The reference model of a LoRA policy: the policy's base model, i.e. its own module run
+    with the adapters disabled. It answers `logprobs` like a frozen `Trainer` and holds no
+    weights of its own, so `kl_beta > 0` costs no second copy of the model.
+
+    Call it on the thread that trains the policy: the adapters are off for the whole call.
+    """
+
+    trainable = False
+
+    def __init__(self, policy: Trainer) -> None:
+        self.policy = policy
+
+    def logprobs(
+        self, datums: list[Datum], temperature: float = 1.0, *, with_entropy: bool = False
+    ) -> list[Tensor] | tuple[list[Tensor], list[Tensor]]:
+        """`Trainer.logprobs` of the base model (bit-identical to the model before wrapping)."""
+        with adapters_disabled(self.policy.model):
+            return self.policy.logprobs(datums, temperature, with_entropy=with_entropy)
 
 
 @torch.no_grad()

@@ -2,8 +2,9 @@
 chunked vocabulary projection (`logprob_head`), optimizer schedule and update guard (`optim`), compiled
 layers (`compiled`), FSDP2 pieces (`sharding`), prefix sharing (`shared_prefix`) and precision (`precision`)."""
 
+from training.utils.lora import AdapterDisabledReference
 from training.utils.trainer.batching import Datum, MicroBatch, plan_microbatches
-from training.utils.trainer.core import AdapterDisabledReference, Reference, Trainer, enable_activation_checkpointing
+from training.utils.trainer.core import Reference, Trainer, enable_activation_checkpointing
 from training.utils.trainer.optim import lr_multiplier
 from training.utils.trainer.precision import compute_dtype, resolve_precision, weight_dtype
 

@@ -44,7 +44,13 @@ from training.utils.config import TrainerConfig
 from training.utils.cpu_attention import use_cpu_attention
 from training.utils.errors import ConfigError
 from training.utils.flops import decoder_shape, forward_flops, shared_prefix_pairs
-from training.utils.lora import adapters_disabled, merged_state_dict, standalone_copy, wrap_with_lora
+from training.utils.lora import (
+    AdapterDisabledReference,
+    active_adapter_params,
+    merged_state_dict,
+    standalone_copy,
+    wrap_with_lora,
+)
 from training.utils.trainer.batching import (
     Datum,
     LossFn,
@@ -204,11 +210,13 @@ class Trainer:
     def _count_flops(self, datums: list[Datum], bundles: list[PrefixBundle], batch: PaddedBatch, *,
                      backward: bool) -> None:
         """Add a micro-batch's model FLOPs to `flops`: every token run through the decoder, padding included;
-        attention over each row's real tokens, a shared prefix's once; the projection at the positions computed."""
+        attention over each row's real tokens, a shared prefix's once; the projection at the positions computed;
+        LoRA's enabled adapters, and no gradient of its frozen weights."""
         if self.flop_shape is not None:
             pairs = sum(shared_prefix_pairs(b.prefix_len, [len(datums[i]) for i in b.indices]) for b in bundles)
             self.flops += forward_flops(self.flop_shape, tokens=batch.input_ids.numel(), attention_pairs=pairs,
-                                        projected=batch.positions.numel(), backward=backward)
+                                        projected=batch.positions.numel(), backward=backward,
+                                        adapter_params=active_adapter_params(self.model), weights_trained=not self.lora)
 
     def _forward(self, batch: PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """(b, T) logprobs (and entropies) at `batch.positions`, 0 elsewhere; differentiable if grad is on."""
@@ -464,27 +472,6 @@ class Trainer:
         if not self.lora:
             raise RuntimeError("adapter_disabled_reference() needs a LoRA trainer (cfg.lora_rank > 0)")
         return AdapterDisabledReference(self)
-
-
-class AdapterDisabledReference:
-    """The reference model of a LoRA policy: the policy's base model, i.e. its own module run
-    with the adapters disabled. It answers `logprobs` like a frozen `Trainer` and holds no
-    weights of its own, so `kl_beta > 0` costs no second copy of the model.
-
-    Call it on the thread that trains the policy: the adapters are off for the whole call.
-    """
-
-    trainable = False
-
-    def __init__(self, policy: Trainer) -> None:
-        self.policy = policy
-
-    def logprobs(
-        self, datums: list[Datum], temperature: float = 1.0, *, with_entropy: bool = False
-    ) -> list[Tensor] | tuple[list[Tensor], list[Tensor]]:
-        """`Trainer.logprobs` of the base model (bit-identical to the model before wrapping)."""
-        with adapters_disabled(self.policy.model):
-            return self.policy.logprobs(datums, temperature, with_entropy=with_entropy)
 
 
 Reference = Trainer | AdapterDisabledReference
