@@ -1,4 +1,5 @@
-"""Training throughput and MFU of the local trainer, padded vs packed vs shared-prefix micro-batches, in one run.
+"""Training throughput and MFU of the local trainer, padded vs packed vs shared-prefix micro-batches, and full
+fine-tuning vs LoRA, in one run.
 
 Each optimizer step is `forward_backward` + `optim_step` over RL-shaped datums (`--workload`):
 - uneven: lengths drawn uniformly from [seq_len/4, seq_len], the first quarter of each a prompt
@@ -10,10 +11,15 @@ Every layout trains the same datums on the same model, one after the other:
 - padded: length-bucketed micro-batches, right-padded to their longest datum (`share_prefixes="off"`);
 - packed: `TrainerConfig.pack_sequences`, datums end to end in one row per micro-batch;
 - shared: `TrainerConfig.share_prefixes="on"`, a group's prompt computed once in its row.
+Each in each `--variants` (a fresh copy of the model each): `full` trains every weight, `lora<r>` rank-r
+adapters on the attention and MLP projections; `+ckpt` recomputes activations in the backward
+(`--gradient-checkpointing` adds it to every variant).
 
     python benchmarks/trainer_throughput.py --shape smollm2-135m --batch 8 --seq-len 256 --steps 2
     python benchmarks/trainer_throughput.py --shape smollm2-135m --workload main-job --batch 64 \\
         --layouts padded,shared --max-tokens-per-microbatch 2048 --steps 2
+    python benchmarks/trainer_throughput.py --shape smollm2-135m --workload main-job --batch 64 \\
+        --layouts shared --max-tokens-per-microbatch 2048 --variants full,lora16+ckpt,lora16
     python benchmarks/trainer_throughput.py --shape llama-1b --batch 64 --seq-len 2048 \\
         --max-tokens-per-microbatch 16384 --attn flex_attention      # one H100
 
@@ -23,13 +29,16 @@ Every layout trains the same datums on the same model, one after the other:
 
 MFU = useful FLOPs / time / peak, with useful FLOPs per step = 6 × (decoder matmul parameters ×
 all tokens + lm_head parameters × trained tokens) + 6 × layers × attention width × Σ length²
-(causal attention, forward and backward). Recomputation and padding are not useful work. The
-peak is the bf16 dense spec of a known GPU (H100/H200: 989 TFLOP/s) or `--peak-tflops`.
+(causal attention, forward and backward), full fine-tuning's for every variant, so that MFU compares
+their times. Recomputation and padding are not useful work. The peak is the bf16 dense spec of a
+known GPU (H100/H200: 989 TFLOP/s) or `--peak-tflops`.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import re
 import time
 
 import torch
@@ -53,6 +62,8 @@ GROUPED_WORKLOADS = {"main-job": (46, 4, 12), "trl": (47, 24, 24)}
 LAYOUTS = {"padded": dict(share_prefixes="off"), "packed": dict(share_prefixes="off", pack_sequences=True),
            "shared": dict(share_prefixes="on")}
 """The `TrainerConfig` fields of each layout."""
+VARIANT = r"(?:full|lora([1-9][0-9]*))(?:\+ckpt)?"
+"""A `--variants` entry: what trains (every weight, or rank-r adapters), and whether activations are recomputed."""
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 """Dense bf16 tensor-core peaks from the vendor's spec sheets (SXM parts)."""
 
@@ -73,7 +84,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layouts", default="padded,packed", help=f"comma-separated: {', '.join(LAYOUTS)}")
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast", "bf16"])
     parser.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, flex_attention, eager, ...)")
-    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="add +ckpt to every variant")
+    parser.add_argument("--variants", default="full", help="comma-separated: full or lora<rank>, each optionally +ckpt")
     parser.add_argument("--compile-layers", action="store_true", help="TrainerConfig.compile_layers")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: known GPUs)")
@@ -81,7 +93,16 @@ def parse_args() -> argparse.Namespace:
     unknown = set(args.layouts.split(",")) - LAYOUTS.keys()
     if unknown:
         parser.error(f"--layouts takes {', '.join(LAYOUTS)}, got {sorted(unknown)}")
+    bad = [v for v in args.variants.split(",") if not re.fullmatch(VARIANT, v)]
+    if bad:
+        parser.error(f"--variants takes full or lora<rank>, each optionally +ckpt, got {bad}")
     return args
+
+
+def variant_fields(variant: str, args: argparse.Namespace) -> dict:
+    """The `TrainerConfig` fields of a `--variants` entry."""
+    rank = re.fullmatch(VARIANT, variant).group(1)
+    return dict(lora_rank=int(rank or 0), gradient_checkpointing=args.gradient_checkpointing or "+ckpt" in variant)
 
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -169,13 +190,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_layout(model, datums, args, device, layout: str) -> tuple[float, float, float]:
+def time_layout(model, datums, args, device, layout: str, variant: str) -> tuple[float, float, float]:
     """Seconds per optimizer step and of its `forward_backward` alone, averaged over `args.steps` after
-    `args.warmup`; tokens computed per step."""
+    `args.warmup`, on a copy of `model`; tokens computed per step."""
     cfg = TrainerConfig(learning_rate=1e-6, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-                        precision=args.precision, gradient_checkpointing=args.gradient_checkpointing,
-                        compile_layers=args.compile_layers, **LAYOUTS[layout])
-    trainer = Trainer(model, cfg)
+                        precision=args.precision, compile_layers=args.compile_layers, **LAYOUTS[layout],
+                        **variant_fields(variant, args))
+    trainer = Trainer(copy.deepcopy(model), cfg)
     for _ in range(args.warmup):
         trainer.forward_backward(datums, pg_loss)
         trainer.optim_step()
@@ -215,21 +236,30 @@ def main() -> None:
         f"torch={torch.__version__} threads={torch.get_num_threads()}"
     )
     step_s, fwd_bwd_s = {}, {}
-    for layout in args.layouts.split(","):
-        step_s[layout], fwd_bwd_s[layout], computed = time_layout(model, datums, args, device, layout)
-        line = f"{layout:7s} step_s={step_s[layout]:.3f} fwd_bwd_s={fwd_bwd_s[layout]:.3f}"
-        line += f" train_tokens_per_s={tokens / step_s[layout]:.0f} computed={computed:.0f}"
-        line += f" useful_tflops={flops / step_s[layout] / 1e12:.2f}"
+    variants = args.variants.split(",")
+    for layout, variant in ((layout, variant) for layout in args.layouts.split(",") for variant in variants):
+        key = layout, variant
+        step_s[key], fwd_bwd_s[key], computed = time_layout(model, datums, args, device, layout, variant)
+        line = f"{layout:7s} {variant:12s} step_s={step_s[key]:.3f} fwd_bwd_s={fwd_bwd_s[key]:.3f}"
+        line += f" train_tokens_per_s={tokens / step_s[key]:.0f} computed={computed:.0f}"
+        line += f" useful_tflops={flops / step_s[key] / 1e12:.2f}"
         if peak:
-            line += f" mfu={flops / step_s[layout] / (peak * 1e12):.3f} (peak {peak} TFLOP/s)"
+            line += f" mfu={flops / step_s[key] / (peak * 1e12):.3f} (peak {peak} TFLOP/s)"
         if device.type == "cuda":
             line += f" peak_mem_gb={torch.cuda.max_memory_allocated(device) / 2**30:.1f}"
         print(line, flush=True)
-    for layout in ("packed", "shared"):
-        if {"padded", layout} <= step_s.keys():
-            print(f"{layout}_over_padded_speedup={step_s['padded'] / step_s[layout]:.2f}x "
-                  f"(forward_backward alone {fwd_bwd_s['padded'] / fwd_bwd_s[layout]:.2f}x)")
-
+    for variant in variants:
+        for layout in ("packed", "shared"):
+            padded, other = ("padded", variant), (layout, variant)
+            if {padded, other} <= step_s.keys():
+                print(f"{layout}_over_padded_speedup={step_s[padded] / step_s[other]:.2f}x "
+                      f"(forward_backward alone {fwd_bwd_s[padded] / fwd_bwd_s[other]:.2f}x) [{variant}]")
+    for layout in args.layouts.split(","):
+        first = layout, variants[0]
+        for variant in variants[1:]:
+            other = layout, variant
+            print(f"{variant}_over_{variants[0]}_speedup={step_s[first] / step_s[other]:.2f}x "
+                  f"(forward_backward alone {fwd_bwd_s[first] / fwd_bwd_s[other]:.2f}x) [{layout}]")
 
 if __name__ == "__main__":
     main()

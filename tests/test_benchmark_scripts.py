@@ -21,7 +21,7 @@ SCRIPTS = {
     "async_vs_sync": (["--steps", "3", "--hidden", "64", "--layers", "2", "--only", "rl_loop", "async O=1"],
                       "reward per step"),
     "trainer_throughput": (["--model", "tiny-random", "--batch", "4", "--seq-len", "64", "--steps", "1",
-                            "--warmup", "0"], "packed_over_padded_speedup"),
+                            "--warmup", "0", "--variants", "full,lora4+ckpt"], "lora4+ckpt_over_full_speedup"),
     "machine_peak": ([], "float32"),
     "logprob_head": (["--vocab", "300", "--hidden", "16", "--tokens", "40", "--chunk-tokens", "16", "--entropy",
                       "--repeats", "1"], "speed-up of blocked"),
