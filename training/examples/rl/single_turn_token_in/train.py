@@ -31,7 +31,10 @@ def read_rows(name: str) -> list[dict]:
 cfg = Config(
     model="smollm2-135m-instruct", policy_loss="grpo", log_path="runs/single_turn_token_in",
     completions_per_prompt=8, prompt_groups_per_step=8, max_steps=16, max_head_offpolicy_versions=1,
-    sampling=SamplingConfig(max_tokens=12, temperature=1.0), trainer=TrainerConfig(learning_rate=2e-5),
+    sampling=SamplingConfig(max_tokens=12, temperature=1.0),
+    # LoRA adapters (10x full fine-tuning's learning rate) and activations recomputed in the backward: the run
+    # fits a laptop's memory (docs/lora-examples.md weighs it against full fine-tuning).
+    trainer=TrainerConfig(lora_rank=16, learning_rate=2e-4, gradient_checkpointing=True),
 )
 
 if __name__ == "__main__":
