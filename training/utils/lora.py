@@ -130,10 +130,19 @@ def merged_state_dict(model: torch.nn.Module) -> MergedState:
         merged[name.replace(".base_layer.", ".")] = tensor.detach()
     for module_name, module in base.named_modules():
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-            weight = module.get_base_layer().weight
-            delta = module.get_delta_weight(ADAPTER)
-            merged[f"{module_name}.weight"] = (weight.float() + delta.float()).to(weight.dtype)
+            merged[f"{module_name}.weight"] = _merged_weight(module)
     return merged
+
+
+def _merged_weight(module) -> Tensor:
+    """`W + scaling·B·A` of one adapted layer, summed in float32 and rounded once to W's dtype."""
+    weight = module.get_base_layer().weight
+    if isinstance(module.lora_A[ADAPTER], torch.nn.Linear) and not module.fan_in_fan_out \
+            and not module.use_dora.get(ADAPTER, False):
+        # One fused pass (a plain linear adapter): B·A scaled and added to W inside the matmul.
+        lora_A, lora_B = module.lora_A[ADAPTER].weight.float(), module.lora_B[ADAPTER].weight.float()
+        return torch.addmm(weight.float(), lora_B, lora_A, alpha=module.scaling[ADAPTER]).to(weight.dtype)
+    return (weight.float() + module.get_delta_weight(ADAPTER).float()).to(weight.dtype)
 
 
 class AdapterState(dict):
