@@ -84,11 +84,13 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 
 def active_adapter_params(model: torch.nn.Module) -> int:
     """The adapter weights a token passes through now: r·(in + out) per adapted layer whose adapters are on (peft's
-    `disable_adapter()` turns them off); 0 for a model without adapters."""
+    `disable_adapter()` turns them off); 0 for a model without adapters (peft not imported)."""
+    if not is_lora(model):
+        return 0
     from peft.tuners.lora import LoraLayer
 
     return sum(p.numel() for module in model.modules() if isinstance(module, LoraLayer) and not module.disable_adapters
-               for adapters in (module.lora_A, module.lora_B) for p in adapters.parameters()) if is_lora(model) else 0
+               for adapters in (module.lora_A, module.lora_B) for p in adapters.parameters())
 
 
 class AdapterDisabledReference:
