@@ -283,7 +283,6 @@ def test_an_external_server_gets_no_engine_utilisation(probes):
     assert set(metrics) == {"perf/trainer_mfu", "perf/trainer_tflops"}
 
 
-
 def test_a_model_whose_flops_are_not_counted_gets_only_the_bandwidth_bound(probes):
     """No shape (experts, or a config without the sizes): no FLOPs, so no compute bound is claimed for decode."""
     policy = SimpleNamespace(flops=0.0, precision="fp32", device=torch.device("cpu"), flop_shape=None,
@@ -295,6 +294,7 @@ def test_a_model_whose_flops_are_not_counted_gets_only_the_bandwidth_bound(probe
     assert metrics == pytest.approx({"perf/engine_decode_tokens_per_s": 64.0,
                                      "perf/engine_decode_bound_tokens_per_s": 1e10 / 440 * 8})
     assert "decode 64 tokens/s of a 181818182 tokens/s bandwidth bound" in utilisation.summary_text()
+
 
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(4)]
 UTILISATION_KEYS = {"perf/trainer_mfu", "perf/trainer_tflops", "perf/engine_prefill_mfu",

@@ -82,15 +82,10 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
         yield
 
 
-def active_adapter_params(model: torch.nn.Module) -> int:
-    """The adapter weights a token passes through now: r·(in + out) per adapted layer whose adapters are on (peft's
-    `disable_adapter()` turns them off); 0 for a model without adapters (peft not imported)."""
-    if not is_lora(model):
-        return 0
-    from peft.tuners.lora import LoraLayer
-
-    return sum(p.numel() for module in model.modules() if isinstance(module, LoraLayer) and not module.disable_adapters
-               for adapters in (module.lora_A, module.lora_B) for p in adapters.parameters())
+def adapters_enabled(model: torch.nn.Module) -> bool:
+    """Whether `model` runs its LoRA adapters now: False inside `adapters_disabled` (peft's own flag, read without a
+    walk over the layers), True for any model without adapters."""
+    return not getattr(model, "_adapters_disabled", False)
 
 
 class AdapterDisabledReference:

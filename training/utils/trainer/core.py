@@ -46,7 +46,7 @@ from training.utils.errors import ConfigError
 from training.utils.flops import decoder_shape, forward_flops, shared_prefix_pairs
 from training.utils.lora import (
     AdapterDisabledReference,
-    active_adapter_params,
+    adapters_enabled,
     merged_state_dict,
     standalone_copy,
     wrap_with_lora,
@@ -113,6 +113,8 @@ class Trainer:
         self.flop_shape = decoder_shape(model.config)  # None: a model whose FLOPs are not counted
         self.flops = 0.0
         """Model FLOPs of the micro-batches this process ran, forwards and backwards (`_count_flops`)."""
+        self.adapter_params = 0
+        """LoRA adapter weights a token passes through, r·(in + out) per adapted layer; 0 without adapters."""
         self.optimizer: torch.optim.AdamW | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.lora = trainable and cfg.lora_rank > 0
@@ -138,6 +140,7 @@ class Trainer:
             # Freezes the base; the optimizer below then sees only the adapters (requires_grad).
             self.model = model = wrap_with_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                                 dropout=cfg.lora_dropout, target_modules=cfg.lora_target_modules)
+            self.adapter_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
         self._shard_if_distributed()
@@ -216,7 +219,8 @@ class Trainer:
             pairs = sum(shared_prefix_pairs(b.prefix_len, [len(datums[i]) for i in b.indices]) for b in bundles)
             self.flops += forward_flops(self.flop_shape, tokens=batch.input_ids.numel(), attention_pairs=pairs,
                                         projected=batch.positions.numel(), backward=backward,
-                                        adapter_params=active_adapter_params(self.model), weights_trained=not self.lora)
+                                        adapter_params=self.adapter_params if adapters_enabled(self.model) else 0,
+                                        weights_trained=not self.lora)
 
     def _forward(self, batch: PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """(b, T) logprobs (and entropies) at `batch.positions`, 0 elsewhere; differentiable if grad is on."""
