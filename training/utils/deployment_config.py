@@ -69,6 +69,13 @@ class DeploymentConfig(StrictModel):
     """Weights of the embedded engine's model copy; `auto`: bfloat16 where bf16 compute is native (CUDA, and CPUs
     with AVX512-BF16 or AMX, detected at run time), float32 elsewhere. In-process sync converts the trainer's
     (float32) tensors on copy."""
+    lora_weights: Literal["auto", "shared", "merged"] = "auto"
+    """How the embedded engine holds a LoRA policy's weights (`trainer.lora_rank > 0`). `shared`: it runs the
+    adapters unmerged over the trainer's own frozen base tensors, so the model is held once, a sync copies only the
+    adapters, and the engine computes what the trainer differentiates; each adapted layer adds two small matmuls
+    to every forward. `merged`: its own copy of the model, each sync merging the adapters in (W + scaling·B·A).
+    `auto`: `shared` on a CPU where it can be (in_process sync, the engine's `dtype` the trainer's weights'),
+    `merged` elsewhere. `shared` where it cannot be stops at start-up, naming why (docs/deployments.md: LoRA)."""
     decode_steps: Literal["auto", "eager", "graphs", "static"] = "auto"
     """How the embedded engine runs a decode step. `graphs` (CUDA only): captured CUDA graphs, one per (rows,
     columns) bucket, replayed without launch overhead. `eager`: a plain forward over the live rows and columns.

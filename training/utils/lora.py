@@ -6,9 +6,11 @@ frozen and bit-identical. That gives three things without a second copy of the m
 
 - the reference: the initial policy *is* the base model, so the KL reference is the policy's
   own module run with its adapters disabled (`adapters_disabled`);
-- inference: `merged_state_dict` returns `W + (lora_alpha / lora_rank)·B·A` under the base
-  model's parameter names, so weight sync (in-process and disk) and `save_hf` see an ordinary
-  Hugging Face state dict, and `standalone_copy` gives a deployment a plain merged model;
+- inference: the embedded engine runs the adapters unmerged over the trainer's own frozen base
+  tensors (`shared_base_copy`) and each sync copies only the adapters; elsewhere
+  `merged_state_dict` returns `W + (lora_alpha / lora_rank)·B·A` under the base model's parameter
+  names, so disk sync and `save_hf` see an ordinary Hugging Face state dict, and `standalone_copy`
+  gives a deployment a plain merged model;
 - checkpoints: the adapters are the only trainable parameters, so only they (and their
   optimizer state) are saved; the base comes from `cfg.model` again on resume;
 - warm starts: `load_adapter` copies a PEFT adapter directory (peft's `save_pretrained`) into
@@ -35,7 +37,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from training.utils.errors import ConfigError
+from training.utils.errors import ConfigError, DeploymentError
 
 if TYPE_CHECKING:
     from training.utils.trainer import Datum, Trainer
@@ -177,6 +179,29 @@ def adapter_state(model: torch.nn.Module) -> AdapterState:
 def _file_name(parameter_name: str) -> str:
     """peft saves the parameter `<layer>.lora_A.<adapter name>.weight` as `<layer>.lora_A.weight`."""
     return re.sub(rf"\.{ADAPTER}(?=\.|$)", "", parameter_name)
+
+
+def adapter_of(state) -> AdapterState:
+    """The adapter in a LoRA trainer's export: `merged_state_dict`'s `.adapter`, or an `AdapterState` itself."""
+    adapter = state if isinstance(state, AdapterState) else getattr(state, "adapter", None)
+    if not isinstance(adapter, AdapterState):
+        raise DeploymentError("the LoRA weight sync was handed weights without their adapter: it needs the export "
+                              "of a LoRA trainer (trainer.lora_rank > 0, one process)")
+    return adapter
+
+
+def shared_base_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Tensor]]:
+    """A copy of the peft-wrapped `model` an inference engine can own without a second copy of the weights: the base
+    model class with its adapter layers (run unmerged), whose frozen tensors *are* `model`'s, and its own copy of the
+    adapters; and those adapter tensors under the names `adapter_state` gives them, the only ones a sync may write.
+
+    Safe because a LoRA trainer never writes its base: only the adapters have gradients and optimizer state.
+    The engine then computes the function the trainer differentiates (the same unmerged matmuls), not a merge of it.
+    """
+    frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+    duplicate = copy.deepcopy(model, memo=frozen)  # memo: each frozen tensor maps to itself
+    adapters = {_file_name(name): param for name, param in duplicate.named_parameters() if ".lora_" in name}
+    return duplicate.get_base_model(), adapters
 
 
 def standalone_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -15,7 +15,8 @@ from training.utils.deploy.engine import Engine
 from training.utils.deploy.external import ExternalDeployment, connect_external_deployment
 from training.utils.deploy.sampler import Sampler
 from training.utils.deploy.weight_sync import DiskWeightSync
-from training.utils.lora import is_lora, standalone_copy
+from training.utils.errors import ConfigError
+from training.utils.lora import is_lora, shared_base_copy, standalone_copy
 
 __all__ = [
     "Completion",
@@ -36,11 +37,15 @@ Deployment = EmbeddedDeployment | ExternalDeployment
 async def start_deployment(
     policy_model, tokenizer, cfg: DeploymentConfig, *, model_name: str, sampling_timeout_s: float = 300.0
 ) -> Deployment:
-    """Start the embedded deployment on a copy of `policy_model` (a LoRA-wrapped policy is copied
-    with its adapters merged in: a plain model under the base names), or connect to the external server
-    `cfg.kind` names (no copy: the server holds its own weights, and `disk` sync writes the policy's
-    config next to them). Call from a running event loop."""
+    """Start the embedded deployment on a copy of `policy_model` (a LoRA-wrapped policy: its adapters over the
+    policy's own base tensors, or a plain model with the adapters merged in, as `cfg.lora_weights` says), or connect
+    to the external server `cfg.kind` names (no copy: the server holds its own weights, and `disk` sync writes the
+    policy's config next to them). Call from a running event loop."""
     if cfg.kind == "embedded":
+        if shares_lora_base(policy_model, cfg):
+            engine_model, adapters = shared_base_copy(policy_model)
+            return await start_embedded_deployment(engine_model, tokenizer, cfg, model_name=model_name,
+                                                   sampling_timeout_s=sampling_timeout_s, weight_targets=adapters)
         engine_model = standalone_copy(policy_model)
         return await start_embedded_deployment(
             engine_model.to(engine_dtype(cfg, engine_model.device)), tokenizer, cfg, model_name=model_name,
@@ -50,3 +55,25 @@ async def start_deployment(
         cfg, tokenizer, model_name, model_config=policy_model.config, sampling_timeout_s=sampling_timeout_s,
         lora=is_lora(policy_model),
     )
+
+
+def shares_lora_base(policy_model, cfg: DeploymentConfig) -> bool:
+    """Whether the embedded engine runs `policy_model`'s LoRA adapters over the policy's own base tensors
+    (`cfg.lora_weights`); a `ConfigError` naming the obstacle when `shared` is asked for and cannot be."""
+    if not is_lora(policy_model) or cfg.lora_weights == "merged":
+        return False
+    device = policy_model.device
+    base_dtype = policy_model.get_base_model().get_input_embeddings().weight.dtype
+    obstacles = []
+    if cfg.weight_sync != "in_process":
+        obstacles.append(f"deployment.weight_sync={cfg.weight_sync!r} (a shared base is synced in process)")
+    if engine_dtype(cfg, device) != base_dtype:
+        obstacles.append(f"the engine's dtype {engine_dtype(cfg, device)} is not the trainer's weights' {base_dtype} "
+                         f"(set deployment.dtype={str(base_dtype).removeprefix('torch.')!r})")
+    if cfg.lora_weights == "auto":
+        # A CPU engine is where the copy costs the memory that matters; on CUDA the merged copy stays the default.
+        return not obstacles and device.type == "cpu"
+    if obstacles:
+        raise ConfigError(f"deployment.lora_weights='shared' cannot share the trainer's base: {'; '.join(obstacles)}; "
+                          "or set deployment.lora_weights='merged'")
+    return True

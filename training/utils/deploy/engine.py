@@ -11,6 +11,7 @@ thread-safety rules: docs/engine-decode-loop.md.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -69,10 +70,13 @@ class Engine:
 
     `model` must be a copy the engine owns (e.g. `copy.deepcopy(policy)`): the engine
     switches it to eval mode, turns off its gradients and overwrites its weights on sync.
+    `weight_targets`: the only tensors a sync may write, by name, when the engine owns no more of
+    `model` than those (a LoRA engine over the trainer's base, `lora.shared_base_copy`); default: all of it.
     The thread starts here; call `close()` to stop it.
     """
 
-    def __init__(self, model, tokenizer, cfg: DeploymentConfig, *, default_timeout_s: float = 300.0):
+    def __init__(self, model, tokenizer, cfg: DeploymentConfig, *, default_timeout_s: float = 300.0,
+                 weight_targets: Mapping[str, torch.Tensor] | None = None):
         self.model = model.eval()
         self.model.requires_grad_(False)
         use_cpu_attention(self.model, DECODE_NAME)
@@ -85,7 +89,8 @@ class Engine:
         self.eos_token_ids: frozenset[int] = frozenset(
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
-        self._weights = WeightTargets(self.model)
+        self._weights = WeightTargets(self.model, weight_targets)
+        self.shares_trainer_base = weight_targets is not None
         self._version = 0
         # Shared with callers, guarded by `_wake`'s lock.
         self._wake = threading.Condition()
@@ -101,7 +106,8 @@ class Engine:
                                                     self.max_context_tokens,
                                                     kv_bytes_per_token(model.config, self.model.dtype))
         self._prefix_cache = PrefixCache(max_tokens, max_bytes) if max_tokens and max_bytes else None
-        self._memory = EngineMemory(self.model)
+        owned = self.model.parameters() if weight_targets is None else weight_targets.values()
+        self._memory = EngineMemory(itertools.chain(owned, self.model.buffers()))
         # Cumulative; prompt_tokens = prefill_tokens + prefix_cache_hit_tokens (a request's prompt counts once).
         self.stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0, "weight_updates": 0,
                       "prompt_tokens": 0, "prefill_tokens": 0, "prefix_cache_hit_tokens": 0,

@@ -7,8 +7,10 @@ holds the most it will in that step, and a read takes the most noted since the p
 
 from __future__ import annotations
 
-import itertools
 import threading
+from collections.abc import Iterable
+
+import torch
 
 from training.utils.deploy.decode import KVBatch
 from training.utils.deploy.prefix_cache import PrefixCache
@@ -18,9 +20,10 @@ from training.utils.memory import storage_bytes
 class EngineMemory:
     """One engine's: `note` on its thread, `stats` from any thread."""
 
-    def __init__(self, model) -> None:
-        # Weight updates copy in place, never reallocate: the size is the model's at start.
-        self.weight_bytes = storage_bytes(itertools.chain(model.parameters(), model.buffers()))
+    def __init__(self, weights: Iterable[torch.Tensor]) -> None:
+        # Weight updates copy in place, never reallocate: the size is that of the engine's own tensors at start
+        # (a LoRA engine over the trainer's base owns only its adapters and buffers: the trainer counts the base).
+        self.weight_bytes = storage_bytes(weights)
         self._lock = threading.Lock()
         self._generation: int | None = None
         self._reserved = self._token_bytes = 0  # of the batch of `_generation`

@@ -12,11 +12,18 @@ import torch
 
 
 class WeightTargets:
-    """The engine model's tensors by `state_dict` name, and the pairing of the last update's names with them."""
+    """The tensors an update may write, by name (the engine model's `state_dict`, or the `targets` given), and the
+    pairing of the last update's names with them."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        # state_dict name -> the tensor to copy into; tied aliases all point at one tensor.
-        self._targets = {name: t.detach() for name, t in model.state_dict(keep_vars=True).items()}
+    def __init__(self, model: torch.nn.Module, targets: Mapping[str, torch.Tensor] | None = None) -> None:
+        # name -> the tensor to copy into; tied aliases all point at one tensor.
+        if targets is None:
+            targets = model.state_dict(keep_vars=True)
+            self._refusal = "is not in the engine model's state_dict (e.g. {}); send the policy's state_dict() names"
+        else:  # a LoRA engine over the trainer's own base (`lora.shared_base_copy`): the base is not the engine's
+            self._refusal = ("is not one of this engine's adapter tensors (e.g. {}): it shares the trainer's frozen "
+                             "base weights and takes only the LoRA adapter")
+        self._targets = {name: t.detach() for name, t in targets.items()}
         self._last_match: tuple[tuple, tuple[list[torch.Tensor], list[int]]] | None = None
 
     def match(self, named_tensors: Mapping[str, torch.Tensor]) -> tuple[list, list]:
@@ -38,10 +45,7 @@ class WeightTargets:
         for index, (name, tensor) in enumerate(given):
             target = self._targets.get(name)
             if target is None:
-                raise ValueError(
-                    f"update_weights: {name!r} is not in the engine model's state_dict "
-                    f"(e.g. {next(iter(self._targets))!r}); send the policy's state_dict() names"
-                )
+                raise ValueError(f"update_weights: {name!r} " + self._refusal.format(repr(next(iter(self._targets)))))
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
                     f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's has {tuple(target.shape)}"

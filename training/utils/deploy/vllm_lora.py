@@ -38,7 +38,7 @@ from training.utils.deploy.http_client import AdminClient
 from training.utils.deploy.vllm import VLLMWeightSync
 from training.utils.deploy.weight_sync import StepDirectories
 from training.utils.errors import DeploymentError
-from training.utils.lora import AdapterState
+from training.utils.lora import AdapterState, adapter_of
 
 ADAPTER_NAME = "policy-lora"
 """The name the server serves the trainer's adapter under, and the model every request names."""
@@ -72,15 +72,6 @@ def point_link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def adapter_of(state: Mapping[str, torch.Tensor]) -> AdapterState:
-    """The adapter in a LoRA trainer's export: `merged_state_dict`'s `.adapter`, or an `AdapterState` itself."""
-    adapter = state if isinstance(state, AdapterState) else getattr(state, "adapter", None)
-    if not isinstance(adapter, AdapterState):
-        raise DeploymentError("the LoRA weight sync was handed weights without their adapter: it needs the export "
-                              "of a LoRA trainer (trainer.lora_rank > 0, one process)")
-    return adapter
-
-
 async def serves_lora_loading(admin: AdminClient) -> bool:
     """Whether the server answers `/v1/load_lora_adapter` (an empty body: a 400 or 422 when served, 404 when not)."""
     status, _, _ = await admin.answer("POST", "/v1/load_lora_adapter", {})
@@ -100,6 +91,8 @@ class VLLMLoRASync(VLLMWeightSync):
     `sync(state, version)` takes a LoRA trainer's export (`state_dict_for_inference()`, which carries the
     adapter) and sends only the adapter; its `weight_sync_bytes` counts the adapter's tensors.
     """
+
+    adapter_only = True
 
     def __init__(self, base_url: str, *, adapter_name: str = ADAPTER_NAME, keep_last: int = 1, **kwargs):
         kwargs.pop("transport", None)

@@ -33,6 +33,7 @@ from training.utils.deploy.http_client import AdminClient, auth_headers
 from training.utils.deploy.nccl import NCCLBroadcaster
 from training.utils.deploy.sampler import ServingGate
 from training.utils.errors import DeploymentError
+from training.utils.lora import adapter_of
 
 
 def _state_bytes(state_dict: Mapping[str, torch.Tensor]) -> int:
@@ -92,6 +93,9 @@ class WeightSync:
     served_name: str | None = None
     """The model name requests must give once a sync has loaded the weights (a LoRA adapter's own name); None:
     the name the server serves its model under."""
+    adapter_only: bool = False
+    """Whether `sync` sends only a LoRA trainer's adapter: hand it `state_dict_for_inference(adapter_only=True)`,
+    which skips merging the adapter into the weights."""
 
     def __init__(self, version: int = 0):
         self.version = version
@@ -104,15 +108,19 @@ class WeightSync:
 
 
 class InProcessWeightSync(WeightSync):
-    """Copy tensors into an in-process `Engine` (applied between decode steps)."""
+    """Copy tensors into an in-process `Engine` (applied between decode steps): all of them, or only the LoRA
+    adapter when the engine runs over the trainer's own base weights (`Engine.shares_trainer_base`)."""
 
     def __init__(self, engine, timeout_s: float | None = None):
         super().__init__(engine.version)
         self.engine = engine
         self.timeout_s = engine.cfg.weight_sync_timeout_s if timeout_s is None else float(timeout_s)
+        self.adapter_only = engine.shares_trainer_base
 
     async def sync(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         start = time.perf_counter()
+        if self.adapter_only:
+            state_dict = adapter_of(state_dict)
         # The engine enforces weight_sync_timeout_s itself; the outer bound only guards against a wedged
         # worker thread. Not wait_for: on Python 3.11 it can lose a cancel that arrives as the copy ends (gh-86296).
         try:

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import logging
 from collections.abc import AsyncIterator, Iterable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -75,6 +76,13 @@ async def deploy_policy(cfg: RLConfig, deployment_cfg: DeploymentConfig, worker,
     started on (a copy of) the policy's weights, exported on the trainer's `worker`."""
     return await start_deployment(await worker.run(policy.model_for_inference), tokenizer, deployment_cfg,
                                   model_name=cfg.model, sampling_timeout_s=cfg.sampling.timeout_s)
+
+
+async def sync_deployment(deployment: Deployment, worker, policy: Trainer, version: int) -> dict[str, float]:
+    """Push the policy's weights to `deployment` as `version`: the export its sync takes (only the LoRA adapter, when
+    that is all it sends), made on the trainer's `worker`."""
+    export = partial(policy.state_dict_for_inference, adapter_only=deployment.weight_sync.adapter_only)
+    return await deployment.weight_sync.sync(await worker.run(export), version)
 
 
 def trainable_sequence_limit(cfg: RLConfig, policy: Trainer, deployment: Deployment) -> SequenceLimit | None:

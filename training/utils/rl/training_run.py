@@ -64,6 +64,7 @@ from training.utils.rl.startup import (
     restore,
     setup_trainers,
     start_agent_shim,
+    sync_deployment,
     trainable_sequence_limit,
     warm_start,
 )
@@ -147,8 +148,7 @@ class TrainingRun:
         return await self.sync_weights(step)
 
     async def sync_weights(self, version: int) -> dict[str, float]:
-        return await self.deployment.weight_sync.sync(await self.worker.run(self.policy.state_dict_for_inference),
-                                                      version)
+        return await sync_deployment(self.deployment, self.worker, self.policy, version)
 
     def count_rejected(self, settled_rows: list[SettledRow], reasons: Counter) -> None:
         """Tally rows that will not train (and the draws the settled rows dropped), for `finish`'s check."""
@@ -328,7 +328,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         # its checkpoint's under their version; a fresh run pushes its step-0 weights as version 0 when the server
         # may hold others (an external server keeps whatever an earlier run left in it).
         if start_step or deployment.syncs_at_start:
-            await deployment.weight_sync.sync(await worker.run(policy.state_dict_for_inference), start_step)
+            await sync_deployment(deployment, worker, policy, start_step)
         shim = await start_agent_shim(cfg, tokenizer, deployment)  # None unless cfg.agent_shim.enabled
         setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim)
         run = TrainingRun(cfg=cfg, rows=rows, rng=rng, total_steps=total_steps, progress=progress, settings=settings,

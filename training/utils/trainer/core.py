@@ -46,6 +46,7 @@ from training.utils.errors import ConfigError
 from training.utils.flops import decoder_shape, forward_flops, shared_prefix_pairs
 from training.utils.lora import (
     AdapterDisabledReference,
+    adapter_state,
     adapters_enabled,
     merged_state_dict,
     standalone_copy,
@@ -425,14 +426,17 @@ class Trainer:
 
     # ---- export -----------------------------------------------------------------------
 
-    def state_dict_for_inference(self) -> dict[str, Tensor]:
+    def state_dict_for_inference(self, adapter_only: bool = False) -> dict[str, Tensor]:
         """The live weights under Hugging Face names, detached and not copied.
 
         With LoRA: the base model's names, adapters merged in (new tensors for the adapted
-        layers, the live ones elsewhere). Adapter-only sync is future work (`training.utils.lora`).
+        layers, the live ones elsewhere), the adapter itself as `.adapter`; with `adapter_only` (for a
+        deployment whose sync sends only that, `WeightSync.adapter_only`) just the adapter, merging nothing.
         Under torchrun a collective (every rank calls it): the full weights gathered onto rank 0's
         CPU; the other ranks get {}.
         """
+        if self.lora and adapter_only and self._sharded_root is None:
+            return adapter_state(self.model)
         if self.lora:
             merged = merged_state_dict(self.model)
             return merged if self._sharded_root is None else gather_to_main(merged)
