@@ -1,6 +1,7 @@
 """LoRA training (`trainer.lora_rank > 0`) on the tiny random model: only adapters move, the
-reference is the exact base model, merged exports match the adapter forward, the recipes sync
-merged weights to the embedded deployment, and checkpoints hold and restore the adapters."""
+reference is the exact base model, merged exports match the adapter forward, the recipes serve
+the trained policy from the embedded deployment (over the shared base or a merged copy), and
+checkpoints hold and restore the adapters."""
 
 import copy
 
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from training.recipes import async_rl_loop, rl_loop
 from training.utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from training.utils.config import SamplingConfig, TrainerConfig
+from training.utils.config import DeploymentConfig, SamplingConfig, TrainerConfig
 from training.utils.errors import ConfigError
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer
@@ -150,7 +151,8 @@ def scripted_factory(setup):
     return rollout_fn
 
 
-def test_rl_loop_with_lora_and_kl_serves_the_merged_policy(tmp_path, monkeypatch):
+@pytest.mark.parametrize("lora_weights", ["shared", "merged"])
+def test_rl_loop_with_lora_and_kl_serves_the_trained_policy(lora_weights, tmp_path, monkeypatch):
     built = {}
 
     def capture(*args, **kwargs):
@@ -172,6 +174,7 @@ def test_rl_loop_with_lora_and_kl_serves_the_merged_policy(tmp_path, monkeypatch
         model="tiny-random", completions_per_prompt=4, prompt_groups_per_step=2, max_steps=3, kl_beta=0.1,
         log_path=str(tmp_path / "run"), sampling=SamplingConfig(max_tokens=4, timeout_s=30),
         trainer=TrainerConfig(learning_rate=1e-2, **LORA), progress=False,
+        deployment=DeploymentConfig(dtype="float32", lora_weights=lora_weights),
     )
     summary = rl_loop.main(cfg, rollout_fn_factory=scripted_factory, rows=ROWS, evaluation_fn=evaluation_fn)
     assert summary["version"] == 3

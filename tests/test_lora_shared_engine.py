@@ -10,11 +10,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from training.recipes import rl_loop
 from training.utils.config import DeploymentConfig, TrainerConfig
 from training.utils.deploy import shares_lora_base, start_deployment
 from training.utils.errors import ConfigError, DeploymentError
 from training.utils.lora import AdapterState, adapter_state
 from training.utils.model import load_model_and_tokenizer
+from training.utils.rl import startup
+from training.utils.rl.memory_budget import estimate_memory
 from training.utils.trainer import Datum, Trainer
 
 LORA = dict(lora_rank=4, lora_alpha=8.0)
@@ -157,3 +160,16 @@ def test_lora_weights_auto_shares_only_where_it_can_and_shared_names_the_obstacl
         shares_lora_base(policy.model, DeploymentConfig(dtype="float32", weight_sync="disk", lora_weights="shared"))
     full, _ = load_model_and_tokenizer("tiny-random", device="cpu")
     assert not shares_lora_base(full, DeploymentConfig(dtype="float32", lora_weights="shared"))  # nothing to share
+
+
+@pytest.mark.parametrize("lora_weights", ["shared", "merged"])
+def test_the_memory_estimate_counts_the_engine_weights_it_will_hold(lora_weights):
+    cfg = rl_loop.Config(model="tiny-random", trainer=TrainerConfig(**LORA), progress=False,
+                         deployment=DeploymentConfig(dtype="float32", lora_weights=lora_weights))
+    policy, reference, _, _ = startup.setup_trainers(cfg, total_steps=2)
+    params = list(policy.model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in policy.model.buffers())
+    held = [p for p in params if p.requires_grad] if lora_weights == "shared" else \
+        [p for p in params if not p.requires_grad]  # merged: the base's shapes, adapters folded in
+    assert estimate_memory(cfg, policy, reference).parts()["engine weights"] == \
+        4 * sum(p.numel() for p in held) + buffer_bytes

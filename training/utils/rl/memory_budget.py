@@ -6,7 +6,8 @@ The estimate adds up:
   policy's weights and a reference copy), shown as the weights it counts and the rest;
 - what the first step adds to the trainer: the gradients of the trainable parameters and their AdamW state (two
   tensors like each parameter, and a float32 step count);
-- the embedded engine: its weights (the policy's, adapters merged, in the engine's dtype), a KV cache of
+- the embedded engine: its weights (the policy's, adapters merged, in the engine's dtype; only the adapters where it
+  runs them over a LoRA trainer's own base, `deploy.shares_lora_base`), a KV cache of
   `deployment.max_batch_requests` rows of the longest context it serves (`deployment.max_context_tokens`, else the
   model's positions: the engine refuses a longer prompt + completion), and the prefix cache's byte bound;
 - one training micro-batch's working set: the activations autograd keeps for `trainer.max_tokens_per_microbatch`
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 from training.utils import distributed
 from training.utils.config import DeploymentConfig, RLConfig
-from training.utils.deploy import engine_dtype
+from training.utils.deploy import engine_dtype, shares_lora_base
 from training.utils.deploy.prefix_cache import prefix_cache_bounds
 from training.utils.errors import ConfigError
 from training.utils.memory import GIB, current_rss_bytes, kv_bytes_per_token, peak_rss_bytes, storage_bytes
@@ -125,7 +126,10 @@ def estimate_memory(cfg: RLConfig, policy: Trainer, reference: Reference | None)
     context = cfg.deployment.max_context_tokens or text.max_position_embeddings
     if cfg.deployment.kind == "embedded":
         dtype = engine_dtype(cfg.deployment, policy.device)
-        served = [p for p in model.parameters() if not (policy.lora and p.requires_grad)]  # adapters merge in
+        if shares_lora_base(model, cfg.deployment):  # the trainer's base tensors: the engine owns the adapters
+            served = [p for p in model.parameters() if p.requires_grad]
+        else:
+            served = [p for p in model.parameters() if not (policy.lora and p.requires_grad)]  # adapters merge in
         fixed["engine weights"] = sum(t.numel() * dtype.itemsize for t in itertools.chain(served, model.buffers()))
         token_bytes = kv_bytes_per_token(model.config, dtype)
         rows = cfg.deployment.max_batch_requests
