@@ -93,7 +93,8 @@ def test_in_process_weight_sync_keeps_a_cancel_arriving_as_the_copy_ends():
 
     async def start():
         work, deliver = blocked_work()
-        engine = SimpleNamespace(version=0, cfg=SimpleNamespace(weight_sync_timeout_s=30), update_weights=work)
+        engine = SimpleNamespace(version=0, cfg=SimpleNamespace(weight_sync_timeout_s=30), update_weights=work,
+                                 shares_trainer_base=False)
         return lambda: InProcessWeightSync(engine).sync({}, 1), deliver
 
     assert lost_cancels(start) == 0

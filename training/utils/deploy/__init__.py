@@ -26,6 +26,7 @@ __all__ = [
     "ExternalDeployment",
     "Sampler",
     "engine_dtype",
+    "shares_lora_base",
     "start_deployment",
     "start_embedded_deployment",
 ]
