@@ -65,11 +65,12 @@ def shares_lora_base(policy_model, cfg: DeploymentConfig) -> bool:
         return False
     device = policy_model.device
     base_dtype = policy_model.get_base_model().get_input_embeddings().weight.dtype
+    served_dtype = engine_dtype(cfg, device)
     obstacles = []
     if cfg.weight_sync != "in_process":
         obstacles.append(f"deployment.weight_sync={cfg.weight_sync!r} (a shared base is synced in process)")
-    if engine_dtype(cfg, device) != base_dtype:
-        obstacles.append(f"the engine's dtype {engine_dtype(cfg, device)} is not the trainer's weights' {base_dtype} "
+    if served_dtype != base_dtype:
+        obstacles.append(f"the engine's dtype {served_dtype} is not the trainer's weights' {base_dtype} "
                          f"(set deployment.dtype={str(base_dtype).removeprefix('torch.')!r})")
     if cfg.lora_weights == "auto":
         # A CPU engine is where the copy costs the memory that matters; on CUDA the merged copy stays the default.
