@@ -17,6 +17,7 @@ from training.utils.checkpoint import latest_checkpoint, load_checkpoint, save_c
 from training.utils.config import DeploymentConfig, SamplingConfig, TrainerConfig
 from training.utils.errors import ConfigError
 from training.utils.logging import read_ledger
+from training.utils.lora import adapters_disabled, adapters_enabled
 from training.utils.model import load_model_and_tokenizer
 from training.utils.rl import startup, training_run
 from training.utils.rl.rollout.types import sample_from_completion
@@ -107,7 +108,10 @@ def test_reference_is_the_base_model_exactly_after_training(trained):
     base_lp, base_entropy = base.logprobs(batch, 0.7, with_entropy=True)
     assert all(torch.equal(a, b) for a, b in zip(ref_lp, base_lp))
     assert all(torch.equal(a, b) for a, b in zip(ref_entropy, base_entropy))
-    # The adapters are back on after the reference call.
+    # The adapters are back on after the reference call, and the FLOP count (which reads peft's flag) knows when not.
+    assert adapters_enabled(policy.model)
+    with adapters_disabled(policy.model):
+        assert not adapters_enabled(policy.model)
     policy_lp = policy.logprobs(batch, 0.7)
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(policy_lp, base_lp))
 

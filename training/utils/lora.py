@@ -85,9 +85,9 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 
 
 def adapters_enabled(model: torch.nn.Module) -> bool:
-    """Whether `model` runs its LoRA adapters now: False inside `adapters_disabled` (peft's own flag, read without a
-    walk over the layers), True for any model without adapters."""
-    return not getattr(model, "_adapters_disabled", False)
+    """Whether `model` runs its LoRA adapters now: False inside `adapters_disabled` (peft's public property, read
+    without a walk over the layers), True for any model without adapters."""
+    return getattr(model, "has_active_enabled_adapter", True)
 
 
 class AdapterDisabledReference:

@@ -23,9 +23,11 @@ cfg = Config(
     model="smollm2-135m-instruct", log_path="runs/multi_turn_message_in",
     completions_per_prompt=8, prompt_groups_per_step=8, max_steps=16, max_head_offpolicy_versions=1,
     sampling=SamplingConfig(max_tokens=32, temperature=0.8),
-    # Activations recomputed in the backward instead of kept: the turns make long training rows, and a
-    # laptop's memory is what bounds them (benchmarks/RESULTS.md weighs the memory against the time).
-    trainer=TrainerConfig(learning_rate=2e-5, gradient_checkpointing=True),
+    # LoRA adapters at 15x full fine-tuning's learning rate, which the embedded engine runs over the trainer's own
+    # base weights: no gradients, moments or second copy of the model. Activations recomputed in the backward
+    # instead of kept: the turns make long training rows, and a laptop's memory is what bounds them
+    # (docs/lora-examples.md weighs both against full fine-tuning).
+    trainer=TrainerConfig(lora_rank=16, learning_rate=3e-4, gradient_checkpointing=True),
 )
 
 if __name__ == "__main__":
