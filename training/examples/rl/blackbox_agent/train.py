@@ -29,9 +29,11 @@ cfg = Config(
     completions_per_prompt=8, prompt_groups_per_step=2, max_steps=15, max_head_offpolicy_versions=1,
     # 16 tokens hold any completed equation ("9 + 9 = 18"); a rambling reply is cut and misses the format.
     sampling=SamplingConfig(max_tokens=16, temperature=0.7),
-    # Activations recomputed in the backward instead of kept: an agent's prompts make long training rows, and a
-    # laptop's memory is what bounds them (benchmarks/RESULTS.md weighs the memory against the time).
-    trainer=TrainerConfig(learning_rate=2e-5, gradient_checkpointing=True),
+    # LoRA adapters at 15x full fine-tuning's learning rate, which the embedded engine runs over the trainer's own
+    # base weights: no gradients, moments or second copy of the model. Micro-batches of 512 tokens bound the float32
+    # activations kept for the backward, so the run fits a laptop's memory without recomputing them
+    # (docs/lora-examples.md weighs it against full fine-tuning).
+    trainer=TrainerConfig(lora_rank=16, learning_rate=3e-4, max_tokens_per_microbatch=512),
     # The shim is the agent's model endpoint; one agent run may take minutes on a CPU.
     agent_shim=AgentShimConfig(enabled=True), rollout_timeout_s=300,
 )
