@@ -23,6 +23,7 @@ SCRIPTS = {
     "trainer_throughput": (["--model", "tiny-random", "--batch", "4", "--seq-len", "64", "--steps", "1",
                             "--warmup", "0", "--variants", "full,lora4+ckpt"], "lora4+ckpt_over_full_speedup"),
     "machine_peak": ([], "float32"),
+    "lora_engine": (["--model", "tiny-random", "--repeats", "1"], "unmerged"),
     "logprob_head": (["--vocab", "300", "--hidden", "16", "--tokens", "40", "--chunk-tokens", "16", "--entropy",
                       "--repeats", "1"], "speed-up of blocked"),
     "cpu_attention": (["--model", "tiny-random", "--groups", "2", "--group-size", "2", "--max-tokens", "4",

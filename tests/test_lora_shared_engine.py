@@ -14,7 +14,7 @@ from training.recipes import rl_loop
 from training.utils.config import DeploymentConfig, TrainerConfig
 from training.utils.deploy import shares_lora_base, start_deployment
 from training.utils.errors import ConfigError, DeploymentError
-from training.utils.lora import AdapterState, adapter_state
+from training.utils.lora import AdapterState, UnmergedLinear, adapter_state, shared_base_copy
 from training.utils.model import load_model_and_tokenizer
 from training.utils.rl import startup
 from training.utils.rl.memory_budget import estimate_memory
@@ -100,6 +100,27 @@ def test_the_engine_shares_the_base_serves_each_synced_adapter_and_nothing_else(
     asyncio.run(main())
     for name, tensor in base.items():  # bit-identical: nothing the engine did wrote the trainer's weights
         assert torch.equal(tensor, before[name]), name
+
+
+def test_the_engines_adapted_projections_compute_what_peft_computes():
+    policy, _ = lora_policy()
+    train(policy, 2)  # nonzero B, so the adapter term counts
+    engine_model, adapters = shared_base_copy(policy.model)
+    peft_layers = {name.removeprefix("base_model.model."): m for name, m in policy.model.named_modules()
+                   if UnmergedLinear.can_run(m)}
+    ours = {name: m for name, m in engine_model.named_modules() if isinstance(m, UnmergedLinear)}
+    assert set(ours) == set(peft_layers) and len(ours) == 7 * policy.model.config.num_hidden_layers
+    own_adapter = {t.data_ptr() for t in adapters.values()}
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, layer in ours.items():
+            # the sync's targets are this layer's tensors; the base is the trainer's
+            assert {layer.lora_A.data_ptr(), layer.lora_B.data_ptr()} <= own_adapter
+            assert layer.base_layer.weight is peft_layers[name].get_base_layer().weight
+            x = torch.randn(3, 5, layer.base_layer.in_features, generator=generator)
+            expected = peft_layers[name](x)
+            assert float(expected.sub(layer.base_layer(x)).abs().max()) > 1e-4  # the adapter adds something
+            torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_full_weights_update_from_disk_cannot_write_the_trainers_base(tmp_path):

@@ -201,7 +201,45 @@ def shared_base_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str,
     frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
     duplicate = copy.deepcopy(model, memo=frozen)  # memo: each frozen tensor maps to itself
     adapters = {_file_name(name): param for name, param in duplicate.named_parameters() if ".lora_" in name}
-    return duplicate.get_base_model(), adapters
+    engine_model = duplicate.get_base_model()
+    for parent in list(engine_model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if UnmergedLinear.can_run(child):
+                setattr(parent, child_name, UnmergedLinear(child))  # the same adapter tensors, so syncs reach it
+    return engine_model, adapters
+
+
+class UnmergedLinear(torch.nn.Module):
+    """An inference engine's LoRA projection over a shared frozen base: `y = x·Wᵀ + b + scaling·(x·Aᵀ)·Bᵀ`, the
+    adapter's product added into the base output in place by one `addmm_`.
+
+    peft's layer computes the same sum out of place (`result + lora_B(lora_A(x)) * scaling`: two more tensors of the
+    output's size, each written and read again) behind per-call checks of its adapters, dtypes and dropout. An
+    engine with one adapter and no gradients needs neither (benchmarks/RESULTS.md, "LoRA layers the engine runs").
+    """
+
+    def __init__(self, layer) -> None:
+        super().__init__()
+        self.base_layer = layer.get_base_layer()
+        self.lora_A = layer.lora_A[ADAPTER].weight
+        self.lora_B = layer.lora_B[ADAPTER].weight
+        self.scaling = float(layer.scaling[ADAPTER])
+
+    @staticmethod
+    def can_run(layer: torch.nn.Module) -> bool:
+        """Whether `layer` is a plain peft LoRA linear with the one adapter (not merged, no DoRA, weights (out, in)),
+        which this computes exactly; any other layer keeps peft's forward."""
+        from peft.tuners.lora import Linear
+
+        return (type(layer) is Linear and list(layer.lora_A) == [ADAPTER] and not layer.merged
+                and isinstance(layer.get_base_layer(), torch.nn.Linear) and not layer.fan_in_fan_out
+                and not layer.use_dora.get(ADAPTER, False) and isinstance(layer.lora_A[ADAPTER], torch.nn.Linear))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.base_layer(x)
+        hidden = torch.nn.functional.linear(x, self.lora_A)
+        out.view(-1, out.shape[-1]).addmm_(hidden.view(-1, hidden.shape[-1]), self.lora_B.t(), alpha=self.scaling)
+        return out
 
 
 def standalone_copy(model: torch.nn.Module) -> torch.nn.Module:
