@@ -204,3 +204,36 @@ def test_a_cli_that_exits_non_zero_after_its_model_calls_is_graded_and_one_that_
     assert str(error).startswith("agent claude add-train-0/2 exited 1 before any model call was recorded; stderr")
     assert str(error).endswith("no model for you\n")
     assert (record["outcome"], record["exit_code"], record["shim/turns"]) == ("agent_failed", 1, 0)
+
+
+# ---------------------------------------------------------------------------- what the example's trainer keeps
+
+
+def test_the_example_recomputes_activations_instead_of_keeping_them():
+    """A CLI's first prompt alone is 7k-17k tokens: the example's trainer must keep only each layer's input for
+    the backward (RESULTS counts 3.4 MiB a token without checkpointing on Qwen3-0.6B, 120 KiB with it)."""
+    import torch
+
+    from training.examples.rl.cli_agent.train import cfg
+    from training.utils.trainer import Datum, Trainer
+
+    def kept_bytes(trainer_cfg) -> int:
+        model, _ = make_tiny()
+        policy = Trainer(model, trainer_cfg)
+        tokens = list(range(5, 69))
+        datum = Datum(input_ids=tokens[:-1], target_ids=tokens[1:], weights=[1.0] * 63,
+                      behaviour_logprobs=[-1.0] * 63, advantage=1.0, prompt_len=1)
+        kept = []
+
+        def pack(tensor):
+            kept.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            policy.forward_backward([datum], lambda logprobs, mb: (-(logprobs * mb.weights).sum(), {}))
+        return sum(kept)
+
+    assert cfg.trainer.gradient_checkpointing
+    plain = kept_bytes(cfg.trainer.model_copy(update={"gradient_checkpointing": False}))
+    checkpointed = kept_bytes(cfg.trainer)
+    assert checkpointed < plain / 3, (checkpointed, plain)
