@@ -14,7 +14,7 @@ from training.recipes import rl_loop
 from training.utils.config import DeploymentConfig, TrainerConfig
 from training.utils.deploy import shares_lora_base, start_deployment
 from training.utils.errors import ConfigError, DeploymentError
-from training.utils.lora import AdapterState, UnmergedLinear, adapter_state, shared_base_copy
+from training.utils.lora import ADAPTER, AdapterState, UnmergedLinear, adapter_state, shared_base_copy
 from training.utils.model import load_model_and_tokenizer
 from training.utils.rl import startup
 from training.utils.rl.memory_budget import estimate_memory
@@ -121,6 +121,9 @@ def test_the_engines_adapted_projections_compute_what_peft_computes():
             expected = peft_layers[name](x)
             assert float(expected.sub(layer.base_layer(x)).abs().max()) > 1e-4  # the adapter adds something
             torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
+    some_layer = next(iter(peft_layers.values()))
+    some_layer.lora_A[ADAPTER].to(torch.float64)  # an adapter in another dtype than its base: peft's casts stay
+    assert not UnmergedLinear.can_run(some_layer)
 
 
 def test_a_full_weights_update_from_disk_cannot_write_the_trainers_base(tmp_path):

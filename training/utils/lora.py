@@ -227,13 +227,16 @@ class UnmergedLinear(torch.nn.Module):
 
     @staticmethod
     def can_run(layer: torch.nn.Module) -> bool:
-        """Whether `layer` is a plain peft LoRA linear with the one adapter (not merged, no DoRA, weights (out, in)),
-        which this computes exactly; any other layer keeps peft's forward."""
+        """Whether `layer` is a plain peft LoRA linear with the one adapter (not merged, no DoRA, weights (out, in),
+        adapter and base in one dtype), which this computes exactly; any other layer keeps peft's forward (which
+        casts, e.g. float32 adapters over a bfloat16 base)."""
         from peft.tuners.lora import Linear
 
         return (type(layer) is Linear and list(layer.lora_A) == [ADAPTER] and not layer.merged
                 and isinstance(layer.get_base_layer(), torch.nn.Linear) and not layer.fan_in_fan_out
-                and not layer.use_dora.get(ADAPTER, False) and isinstance(layer.lora_A[ADAPTER], torch.nn.Linear))
+                and not layer.use_dora.get(ADAPTER, False) and isinstance(layer.lora_A[ADAPTER], torch.nn.Linear)
+                and layer.lora_A[ADAPTER].weight.dtype == layer.lora_B[ADAPTER].weight.dtype
+                == layer.get_base_layer().weight.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.base_layer(x)
