@@ -136,12 +136,18 @@ def merged_state_dict(model: torch.nn.Module) -> MergedState:
 def _merged_weight(module) -> Tensor:
     """`W + scaling·B·A` of one adapted layer, summed in float32 and rounded once to W's dtype."""
     weight = module.get_base_layer().weight
-    if isinstance(module.lora_A[ADAPTER], torch.nn.Linear) and not module.fan_in_fan_out \
-            and not module.use_dora.get(ADAPTER, False):
-        # One fused pass (a plain linear adapter): B·A scaled and added to W inside the matmul.
+    if _plain_linear_adapter(module):
+        # One fused pass: B·A scaled and added to W inside the matmul.
         lora_A, lora_B = module.lora_A[ADAPTER].weight.float(), module.lora_B[ADAPTER].weight.float()
         return torch.addmm(weight.float(), lora_B, lora_A, alpha=module.scaling[ADAPTER]).to(weight.dtype)
     return (weight.float() + module.get_delta_weight(ADAPTER).float()).to(weight.dtype)
+
+
+def _plain_linear_adapter(module) -> bool:
+    """Whether the peft layer `module`'s adapter is plain LoRA on linear weights stored (out, in): no DoRA, no
+    transposed (Conv1D-style) base, so its update is exactly `scaling·B·A`."""
+    return isinstance(module.lora_A[ADAPTER], torch.nn.Linear) and not module.fan_in_fan_out \
+        and not module.use_dora.get(ADAPTER, False)
 
 
 class AdapterState(dict):
@@ -233,8 +239,7 @@ class UnmergedLinear(torch.nn.Module):
         from peft.tuners.lora import Linear
 
         return (type(layer) is Linear and list(layer.lora_A) == [ADAPTER] and not layer.merged
-                and isinstance(layer.get_base_layer(), torch.nn.Linear) and not layer.fan_in_fan_out
-                and not layer.use_dora.get(ADAPTER, False) and isinstance(layer.lora_A[ADAPTER], torch.nn.Linear)
+                and isinstance(layer.get_base_layer(), torch.nn.Linear) and _plain_linear_adapter(layer)
                 and layer.lora_A[ADAPTER].weight.dtype == layer.lora_B[ADAPTER].weight.dtype
                 == layer.get_base_layer().weight.dtype)
 
