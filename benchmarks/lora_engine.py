@@ -25,6 +25,7 @@ import torch
 from training.utils.config import DeploymentConfig
 from training.utils.deploy import start_embedded_deployment
 from training.utils.lora import shared_base_copy, standalone_copy, wrap_with_lora
+from training.utils.lora_layers import AddedLoraLinear, PeftLinear
 from training.utils.model import load_model_and_tokenizer
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -36,11 +37,18 @@ WORKLOADS = {  # name: (requests, prompt tokens, new tokens)
 
 
 def engines(policy) -> dict:
-    """name -> (engine model, the tensors a sync writes or None) for the three ways of running the adapter."""
-    frozen = {id(p): p for p in policy.parameters() if not p.requires_grad}
-    peft_copy = copy.deepcopy(policy, memo=frozen).get_base_model()  # shared base, peft's layers left in place
+    """name -> (engine model, the tensors a sync writes or None) for the ways of running the adapter."""
+    def shared_base():  # a fresh memo each time: deepcopy fills it with what it copied
+        return copy.deepcopy(policy, memo={id(p): p for p in policy.parameters() if not p.requires_grad})
+
+    added = shared_base().get_base_model()  # the trainer's own layers
+    peft = shared_base().get_base_model()
+    for layer in peft.modules():
+        if isinstance(layer, AddedLoraLinear):
+            layer.__class__ = PeftLinear  # peft's own forward
     unmerged, adapters = shared_base_copy(policy)
-    return {"merged": (standalone_copy(policy), None), "peft": (peft_copy, {}), "unmerged": (unmerged, adapters)}
+    return {"merged": (standalone_copy(policy), None), "peft": (peft, {}), "added": (added, {}),
+            "unmerged": (unmerged, adapters)}
 
 
 async def run(model, targets, tokenizer, prompts, max_tokens: int) -> dict:

@@ -12,8 +12,9 @@ Every layout trains the same datums on the same model, one after the other:
 - packed: `TrainerConfig.pack_sequences`, datums end to end in one row per micro-batch;
 - shared: `TrainerConfig.share_prefixes="on"`, a group's prompt computed once in its row.
 Each in each `--variants` (a fresh copy of the model each): `full` trains every weight, `lora<r>` rank-r
-adapters on the attention and MLP projections; `+ckpt` recomputes activations in the backward
-(`--gradient-checkpointing` adds it to every variant).
+adapters on the attention and MLP projections (the trainer's `lora_layers.AddedLoraLinear`; `lora<r>+peft` with
+peft's own layer forward instead); `+ckpt` recomputes activations in the backward (`--gradient-checkpointing` adds
+it to every variant).
 
     python benchmarks/trainer_throughput.py --shape smollm2-135m --batch 8 --seq-len 256 --steps 2
     python benchmarks/trainer_throughput.py --shape smollm2-135m --workload main-job --batch 64 \\
@@ -62,8 +63,9 @@ GROUPED_WORKLOADS = {"main-job": (46, 4, 12), "trl": (47, 24, 24)}
 LAYOUTS = {"padded": dict(share_prefixes="off"), "packed": dict(share_prefixes="off", pack_sequences=True),
            "shared": dict(share_prefixes="on")}
 """The `TrainerConfig` fields of each layout."""
-VARIANT = r"(?:full|lora([1-9][0-9]*))(?:\+ckpt)?"
-"""A `--variants` entry: what trains (every weight, or rank-r adapters), and whether activations are recomputed."""
+VARIANT = r"(?:full|lora([1-9][0-9]*)(?:\+peft)?)(?:\+ckpt)?"
+"""A `--variants` entry: what trains (every weight, or rank-r adapters, `+peft` run by peft's own layers), and whether
+activations are recomputed."""
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 """Dense bf16 tensor-core peaks from the vendor's spec sheets (SXM parts)."""
 
@@ -95,7 +97,7 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--layouts takes {', '.join(LAYOUTS)}, got {sorted(unknown)}")
     bad = [v for v in args.variants.split(",") if not re.fullmatch(VARIANT, v)]
     if bad:
-        parser.error(f"--variants takes full or lora<rank>, each optionally +ckpt, got {bad}")
+        parser.error(f"--variants takes full or lora<rank>[+peft], each optionally +ckpt, got {bad}")
     return args
 
 
@@ -197,6 +199,12 @@ def time_layout(model, datums, args, device, layout: str, variant: str) -> tuple
                         precision=args.precision, compile_layers=args.compile_layers, **LAYOUTS[layout],
                         **variant_fields(variant, args))
     trainer = Trainer(copy.deepcopy(model), cfg)
+    if "+peft" in variant:
+        from training.utils.lora_layers import AddedLoraLinear, PeftLinear
+
+        for layer in trainer.model.modules():
+            if isinstance(layer, AddedLoraLinear):
+                layer.__class__ = PeftLinear
     for _ in range(args.warmup):
         trainer.forward_backward(datums, pg_loss)
         trainer.optim_step()

@@ -14,7 +14,8 @@ from training.recipes import rl_loop
 from training.utils.config import DeploymentConfig, TrainerConfig
 from training.utils.deploy import shares_lora_base, start_deployment
 from training.utils.errors import ConfigError, DeploymentError
-from training.utils.lora import ADAPTER, AdapterState, UnmergedLinear, adapter_state, shared_base_copy
+from training.utils.lora import ADAPTER, AdapterState, adapter_state, shared_base_copy
+from training.utils.lora_layers import UnmergedLinear
 from training.utils.model import load_model_and_tokenizer
 from training.utils.rl import startup
 from training.utils.rl.memory_budget import estimate_memory

@@ -19,6 +19,10 @@ frozen and bit-identical. That gives three things without a second copy of the m
 The merged state dict also carries the adapter it was merged from (`MergedState.adapter`, an
 `AdapterState` under peft's file names with its config), so a deployment that serves LoRA adapters
 (vLLM, `deploy/vllm_lora.py`) is sent those instead of the full weights.
+
+Each adapted projection adds its adapter's product into the base output in place
+(`lora_layers.AddedLoraLinear`, a peft layer in every other respect); the layers live in their own
+module so that a full fine-tuning run never imports peft.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ def wrap_with_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: 
     """
     from peft import LoraConfig, get_peft_model
 
+    from training.utils.lora_layers import AddedLoraLinear, PeftLinear, plain_linear_adapter
+
     missing = [name for name in target_modules if not _has_linear(model, name)]
     if missing:
         raise ConfigError(
@@ -74,7 +80,11 @@ def wrap_with_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: 
     with warnings.catch_warnings():
         # peft probes the deprecated `is_gradient_checkpointing` property of transformers.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, lora_cfg)
+        wrapped = get_peft_model(model, lora_cfg)
+    for layer in wrapped.modules():
+        if type(layer) is PeftLinear and plain_linear_adapter(layer):
+            layer.__class__ = AddedLoraLinear  # the same module and state, only its forward differs
+    return wrapped
 
 
 @contextlib.contextmanager
@@ -121,6 +131,8 @@ def merged_state_dict(model: torch.nn.Module) -> MergedState:
     """
     from peft.tuners.lora import LoraLayer
 
+    from training.utils.lora_layers import plain_linear_adapter
+
     base = model.get_base_model()
     merged = MergedState(adapter=adapter_state(model))
     for name, tensor in base.state_dict().items():
@@ -129,25 +141,19 @@ def merged_state_dict(model: torch.nn.Module) -> MergedState:
         merged[name.replace(".base_layer.", ".")] = tensor.detach()
     for module_name, module in base.named_modules():
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-            merged[f"{module_name}.weight"] = _merged_weight(module)
+            merged[f"{module_name}.weight"] = _merged_weight(module, plain_linear_adapter(module))
     return merged
 
 
-def _merged_weight(module) -> Tensor:
-    """`W + scaling·B·A` of one adapted layer, summed in float32 and rounded once to W's dtype."""
+def _merged_weight(module, plain: bool) -> Tensor:
+    """`W + scaling·B·A` of one adapted layer, summed in float32 and rounded once to W's dtype (`plain`: the adapter
+    is `lora_layers.plain_linear_adapter`)."""
     weight = module.get_base_layer().weight
-    if _plain_linear_adapter(module):
+    if plain:
         # One fused pass: B·A scaled and added to W inside the matmul.
         lora_A, lora_B = module.lora_A[ADAPTER].weight.float(), module.lora_B[ADAPTER].weight.float()
         return torch.addmm(weight.float(), lora_B, lora_A, alpha=module.scaling[ADAPTER]).to(weight.dtype)
     return (weight.float() + module.get_delta_weight(ADAPTER).float()).to(weight.dtype)
-
-
-def _plain_linear_adapter(module) -> bool:
-    """Whether the peft layer `module`'s adapter is plain LoRA on linear weights stored (out, in): no DoRA, no
-    transposed (Conv1D-style) base, so its update is exactly `scaling·B·A`."""
-    return isinstance(module.lora_A[ADAPTER], torch.nn.Linear) and not module.fan_in_fan_out \
-        and not module.use_dora.get(ADAPTER, False)
 
 
 class AdapterState(dict):
@@ -204,6 +210,8 @@ def shared_base_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str,
     Safe because a LoRA trainer never writes its base: only the adapters have gradients and optimizer state.
     The engine then computes the function the trainer differentiates (the same unmerged matmuls), not a merge of it.
     """
+    from training.utils.lora_layers import UnmergedLinear
+
     frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
     duplicate = copy.deepcopy(model, memo=frozen)  # memo: each frozen tensor maps to itself
     adapters = {_file_name(name): param for name, param in duplicate.named_parameters() if ".lora_" in name}
@@ -213,41 +221,6 @@ def shared_base_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str,
             if UnmergedLinear.can_run(child):
                 setattr(parent, child_name, UnmergedLinear(child))  # the same adapter tensors, so syncs reach it
     return engine_model, adapters
-
-
-class UnmergedLinear(torch.nn.Module):
-    """An inference engine's LoRA projection over a shared frozen base: `y = x·Wᵀ + b + scaling·(x·Aᵀ)·Bᵀ`, the
-    adapter's product added into the base output in place by one `addmm_`.
-
-    peft's layer computes the same sum out of place (`result + lora_B(lora_A(x)) * scaling`: two more tensors of the
-    output's size, each written and read again) behind per-call checks of its adapters, dtypes and dropout. An
-    engine with one adapter and no gradients needs neither (benchmarks/RESULTS.md, "LoRA layers the engine runs").
-    """
-
-    def __init__(self, layer) -> None:
-        super().__init__()
-        self.base_layer = layer.get_base_layer()
-        self.lora_A = layer.lora_A[ADAPTER].weight
-        self.lora_B = layer.lora_B[ADAPTER].weight
-        self.scaling = float(layer.scaling[ADAPTER])
-
-    @staticmethod
-    def can_run(layer: torch.nn.Module) -> bool:
-        """Whether `layer` is a plain peft LoRA linear with the one adapter (not merged, no DoRA, weights (out, in),
-        adapter and base in one dtype), which this computes exactly; any other layer keeps peft's forward (which
-        casts, e.g. float32 adapters over a bfloat16 base)."""
-        from peft.tuners.lora import Linear
-
-        return (type(layer) is Linear and list(layer.lora_A) == [ADAPTER] and not layer.merged
-                and isinstance(layer.get_base_layer(), torch.nn.Linear) and _plain_linear_adapter(layer)
-                and layer.lora_A[ADAPTER].weight.dtype == layer.lora_B[ADAPTER].weight.dtype
-                == layer.get_base_layer().weight.dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.base_layer(x)
-        hidden = torch.nn.functional.linear(x, self.lora_A)
-        out.view(-1, out.shape[-1]).addmm_(hidden.view(-1, hidden.shape[-1]), self.lora_B.t(), alpha=self.scaling)
-        return out
 
 
 def standalone_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,165 @@
+"""The trainer's LoRA layer (`lora_layers.AddedLoraLinear`): the adapter added into the base output in place computes
+what peft's layer computes, forward and backward, in float32 and under bf16 autocast, and hands every other case
+(adapters disabled, merged, dropout, a float32 adapter over a bfloat16 base) to peft."""
+
+import copy
+import shutil
+
+import pytest
+import torch
+
+from test_lora import datums, pg_loss
+from training.utils.config import TrainerConfig
+from training.utils.lora import ADAPTER, adapters_disabled, wrap_with_lora
+from training.utils.lora_layers import AddedLoraLinear, PeftLinear
+from training.utils.model import load_model_and_tokenizer
+from training.utils.trainer import Trainer
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_model(dropout: float = 0.0, dtype: torch.dtype = torch.float32):
+    """The tiny random model wrapped with rank-4 adapters whose B is nonzero (at initialisation B = 0 and the
+    adapter adds nothing, which would hide a wrong sum)."""
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer("tiny-random", device="cpu", dtype=dtype)
+    wrapped = wrap_with_lora(model, rank=4, alpha=8.0, dropout=dropout, target_modules=TARGETS)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0.0, 0.05)
+    return wrapped
+
+
+def with_peft_layers(model):
+    """A copy of `model` whose adapted layers run peft's own forward (same parameters, same values)."""
+    twin = copy.deepcopy(model)
+    for layer in twin.modules():
+        if isinstance(layer, AddedLoraLinear):
+            layer.__class__ = PeftLinear
+    return twin
+
+
+def adapter_grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def run(model, tokens, autocast: bool = False):
+    """The model's logits on `tokens` and the gradients of the adapters of a loss on them."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=tokens).logits.float()
+    logits.logsumexp(-1).sum().backward()
+    return logits.detach(), adapter_grads(model)
+
+
+TOKENS = torch.randint(4, 260, (3, 17), generator=torch.Generator().manual_seed(2))
+
+
+def test_every_plain_adapter_layer_adds_in_place_and_matches_peft_forward_and_backward():
+    model = lora_model()
+    layers = [m for m in model.modules() if isinstance(m, PeftLinear)]
+    assert len(layers) == 7 * model.config.num_hidden_layers and all(type(m) is AddedLoraLinear for m in layers)
+    peft_model = with_peft_layers(model)
+    got_logits, got_grads = run(model, TOKENS)
+    want_logits, want_grads = run(peft_model, TOKENS)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) == 2 * len(layers)
+    for name, grad in want_grads.items():
+        assert float(grad.abs().max()) > 0, name  # every adapter tensor gets a gradient
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # and the sum is really there: without it the logits differ
+    with torch.no_grad(), adapters_disabled(model):
+        assert float((model(input_ids=TOKENS).logits - got_logits).abs().max()) > 1e-3
+
+
+def test_under_bf16_autocast_the_adapter_runs_in_bf16_like_peft():
+    model = lora_model()
+    got_logits, got_grads = run(model, TOKENS, autocast=True)
+    want_logits, want_grads = run(with_peft_layers(model), TOKENS, autocast=True)
+    fp32_logits, _ = run(model, TOKENS)
+    # bf16 rounds differently in the fused sum: as close to peft as bf16 allows, far closer than to float32
+    assert float((got_logits - want_logits).abs().max()) < 0.05
+    assert float((got_logits - fp32_logits).abs().max()) > float((got_logits - want_logits).abs().max()) / 10
+    for name, grad in want_grads.items():
+        assert got_grads[name].dtype == torch.float32
+        assert float((got_grads[name] - grad).norm() / grad.norm()) < 0.05, name
+
+
+def test_cases_that_are_not_the_one_sum_run_peft_forward_exactly():
+    # a float32 adapter over a bfloat16 base, outside autocast: peft's casts decide
+    model = lora_model(dtype=torch.bfloat16)
+    layer = next(m for m in model.modules() if isinstance(m, AddedLoraLinear))
+    assert layer.lora_A[ADAPTER].weight.dtype == torch.float32 and layer.base_layer.weight.dtype == torch.bfloat16
+    got, _ = run(model, TOKENS)
+    want, _ = run(with_peft_layers(model), TOKENS)
+    assert torch.equal(got, want)
+
+    model = lora_model()
+    peft_model = with_peft_layers(model)
+    with torch.no_grad():
+        with adapters_disabled(model), adapters_disabled(peft_model):  # the base model
+            assert torch.equal(model(input_ids=TOKENS).logits, peft_model(input_ids=TOKENS).logits)
+        merged = copy.deepcopy(model)
+        merged.merge_adapter()
+        torch.testing.assert_close(merged(input_ids=TOKENS).logits, model(input_ids=TOKENS).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+    # dropout on the adapter's input: the same mask as peft's for the same seed
+    model = lora_model(dropout=0.3)
+    peft_model = with_peft_layers(model)
+    model.train(), peft_model.train()
+    torch.manual_seed(5)
+    got, got_grads = run(model, TOKENS)
+    torch.manual_seed(5)
+    want, want_grads = run(peft_model, TOKENS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_trainer_step_equals_the_step_with_peft_layers(checkpointing):
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer("tiny-random", device="cpu")
+    cfg = TrainerConfig(lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, gradient_checkpointing=checkpointing,
+                        max_tokens_per_microbatch=32)
+    torch.manual_seed(1)  # the same adapter initialisation in both
+    ours = Trainer(copy.deepcopy(model), cfg)
+    torch.manual_seed(1)
+    theirs = Trainer(model, cfg)
+    for layer in theirs.model.modules():
+        if isinstance(layer, AddedLoraLinear):
+            layer.__class__ = PeftLinear
+    for step in range(2):
+        for trainer in (ours, theirs):
+            trainer.forward_backward(datums(1 + step), pg_loss)
+            trainer.optim_step()
+    for (name, got), (_, want) in zip(ours.model.named_parameters(), theirs.model.named_parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow  # compiling the layers takes about two minutes on 2 cores
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_layers_trace_the_in_place_sum():
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer("tiny-random", device="cpu")
+    cfg = dict(lora_rank=4, lora_alpha=8.0, max_tokens_per_microbatch=32)
+    eager = Trainer(copy.deepcopy(model), TrainerConfig(**cfg))
+    compiled = Trainer(model, TrainerConfig(compile_layers=True, **cfg))
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(3)
+        for want, got in zip(eager.model.parameters(), compiled.model.parameters()):
+            if want.requires_grad:  # the same adapter, B nonzero
+                got.copy_(want.copy_(torch.randn(want.shape, generator=generator) * 0.05))
+    want_lp, got_lp = eager.logprobs(datums(1)), compiled.logprobs(datums(1))
+    for trainer in (eager, compiled):
+        trainer.forward_backward(datums(1), pg_loss)
+    assert compiled.compiled_layers is not None  # the start-up check kept the compiled layers
+    for want, got in zip(want_lp, got_lp):
+        assert float((want - got).abs().max()) < 1e-5
+    for (name, want), (_, got) in zip(eager.model.named_parameters(), compiled.model.named_parameters()):
+        if want.requires_grad:
+            assert float(want.grad.abs().max()) > 0, name
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-7, msg=name)

@@ -1,0 +1,84 @@
+"""The LoRA linear layers the trainer and the embedded engine run: the adapter's product added into the base
+output in place.
+
+peft's LoRA linear computes `result + lora_B(lora_A(dropout(x))) * scaling` out of place: two more tensors of the
+output's size in each forward (and their gradients in each backward), behind per-call checks of its adapters, dtypes
+and dropout. With one plain adapter the same sum is one `addmm_` into the base output. Imported where LoRA is used
+(`training.utils.lora`), so a full fine-tuning run never imports peft.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft.tuners.lora import Linear as PeftLinear
+from torch import Tensor
+
+from training.utils.lora import ADAPTER
+
+
+def plain_linear_adapter(layer: PeftLinear) -> bool:
+    """Whether the peft layer's adapter is plain LoRA on linear weights stored (out, in): no DoRA, no transposed
+    (Conv1D-style) base, so its update is exactly `scaling·B·A`."""
+    return isinstance(layer.lora_A[ADAPTER], torch.nn.Linear) and not layer.fan_in_fan_out \
+        and not layer.use_dora.get(ADAPTER, False)
+
+
+class AddedLoraLinear(PeftLinear):
+    """peft's LoRA linear with a forward that adds the adapter in place: `y = x·Wᵀ + b`, then
+    `y += scaling·(dropout(x)·Aᵀ)·Bᵀ` by one `addmm_`; the gradient of `y` reaches `A` and `B` without the two
+    output-sized tensors peft's sum makes.
+
+    `training.utils.lora.wrap_with_lora` gives every plain one-adapter linear this class. Everything else is peft's:
+    the parameters and their names, the state dict, merging, saving, disabling; and the forward itself whenever it is
+    not the one sum (adapters disabled or merged, another adapter active, extra arguments, or an adapter in another
+    dtype than its base outside autocast, where peft's casts decide). Under autocast the adapter's matmuls run in
+    autocast's dtype, as peft's `lora_B(lora_A(x))` does there.
+    """
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        lora_A, lora_B = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight
+        if args or kwargs or self.disable_adapters or self.merged or self.active_adapters != [ADAPTER] or not (
+                lora_A.dtype == lora_B.dtype == self.base_layer.weight.dtype
+                or torch.is_autocast_enabled(x.device.type)):
+            return super().forward(x, *args, **kwargs)
+        rows = x.reshape(-1, x.shape[-1])
+        out = self.base_layer(rows)  # 2-D, so the in-place sum is on a tensor of its own, not on a view
+        hidden = torch.nn.functional.linear(self.lora_dropout[ADAPTER](rows), lora_A)
+        out.addmm_(hidden, lora_B.t().to(out.dtype), alpha=self.scaling[ADAPTER])
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class UnmergedLinear(torch.nn.Module):
+    """An inference engine's LoRA projection over a shared frozen base: `y = x·Wᵀ + b + scaling·(x·Aᵀ)·Bᵀ`, the
+    same in-place sum as `AddedLoraLinear` without its per-call checks (adapters enabled, merged, active, dtypes).
+
+    An engine with one adapter and no gradients needs none of them, and at a few rows a decode step is mostly such
+    overhead: `shared_base_copy` gives the engine this layer, not the trainer's (benchmarks/RESULTS.md, "LoRA layers
+    the engine runs" and "The trainer's LoRA layers add in place").
+    """
+
+    def __init__(self, layer) -> None:
+        super().__init__()
+        self.base_layer = layer.get_base_layer()
+        self.lora_A = layer.lora_A[ADAPTER].weight
+        self.lora_B = layer.lora_B[ADAPTER].weight
+        self.scaling = float(layer.scaling[ADAPTER])
+
+    @staticmethod
+    def can_run(layer: torch.nn.Module) -> bool:
+        """Whether `layer` is a plain peft LoRA linear with the one adapter (not merged, no DoRA, weights (out, in),
+        adapter and base in one dtype), which this computes exactly; any other layer keeps peft's forward (which
+        casts, e.g. float32 adapters over a bfloat16 base)."""
+        return (type(layer) in (PeftLinear, AddedLoraLinear) and list(layer.lora_A) == [ADAPTER]
+                and not layer.merged and isinstance(layer.get_base_layer(), torch.nn.Linear)
+                and plain_linear_adapter(layer)
+                and layer.lora_A[ADAPTER].weight.dtype == layer.lora_B[ADAPTER].weight.dtype
+                == layer.get_base_layer().weight.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.base_layer(x)
+        hidden = torch.nn.functional.linear(x, self.lora_A)
+        out.view(-1, out.shape[-1]).addmm_(hidden.view(-1, hidden.shape[-1]), self.lora_B.t(), alpha=self.scaling)
+        return out
+
+
