@@ -78,9 +78,12 @@ def test_under_bf16_autocast_the_adapter_runs_in_bf16_like_peft():
     got_logits, got_grads = run(model, TOKENS, autocast=True)
     want_logits, want_grads = run(with_peft_layers(model), TOKENS, autocast=True)
     fp32_logits, _ = run(model, TOKENS)
-    # bf16 rounds differently in the fused sum: as close to peft as bf16 allows, far closer than to float32
+    layer = next(m for m in model.modules() if isinstance(m, AddedLoraLinear))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(torch.randn(2, 3, layer.in_features)).dtype == torch.bfloat16
+    # bf16 rounds the fused sum differently from peft's: as close to peft's as bf16 allows
+    assert float((got_logits - fp32_logits).abs().max()) > 1e-3  # autocast was on
     assert float((got_logits - want_logits).abs().max()) < 0.05
-    assert float((got_logits - fp32_logits).abs().max()) > float((got_logits - want_logits).abs().max()) / 10
     for name, grad in want_grads.items():
         assert got_grads[name].dtype == torch.float32
         assert float((got_grads[name] - grad).norm() / grad.norm()) < 0.05, name

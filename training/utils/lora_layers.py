@@ -36,11 +36,12 @@ class AddedLoraLinear(PeftLinear):
     """
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        lora_A, lora_B = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight
-        if args or kwargs or self.disable_adapters or self.merged or self.active_adapters != [ADAPTER] or not (
-                lora_A.dtype == lora_B.dtype == self.base_layer.weight.dtype
-                or torch.is_autocast_enabled(x.device.type)):
+        if args or kwargs or self.disable_adapters or self.merged or self.active_adapters != [ADAPTER]:
             return super().forward(x, *args, **kwargs)
+        lora_A, lora_B = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight
+        one_dtype = lora_A.dtype == lora_B.dtype == self.base_layer.weight.dtype
+        if not (one_dtype or torch.is_autocast_enabled(x.device.type)):
+            return super().forward(x)
         rows = x.reshape(-1, x.shape[-1])
         out = self.base_layer(rows)  # 2-D, so the in-place sum is on a tensor of its own, not on a view
         hidden = torch.nn.functional.linear(self.lora_dropout[ADAPTER](rows), lora_A)
@@ -52,9 +53,9 @@ class UnmergedLinear(torch.nn.Module):
     """An inference engine's LoRA projection over a shared frozen base: `y = x·Wᵀ + b + scaling·(x·Aᵀ)·Bᵀ`, the
     same in-place sum as `AddedLoraLinear` without its per-call checks (adapters enabled, merged, active, dtypes).
 
-    An engine with one adapter and no gradients needs none of them, and at a few rows a decode step is mostly such
-    overhead: `shared_base_copy` gives the engine this layer, not the trainer's (benchmarks/RESULTS.md, "LoRA layers
-    the engine runs" and "The trainer's LoRA layers add in place").
+    An engine with one adapter and no gradients needs none of them, and in a decode step of a few rows they are a
+    measurable share of the time: `shared_base_copy` gives the engine this layer, not the trainer's
+    (benchmarks/RESULTS.md, "LoRA layers the engine runs" and "The trainer's LoRA layers add in place").
     """
 
     def __init__(self, layer) -> None:
