@@ -25,7 +25,7 @@ import torch
 from training.utils.config import DeploymentConfig
 from training.utils.deploy import start_embedded_deployment
 from training.utils.lora import shared_base_copy, standalone_copy, wrap_with_lora
-from training.utils.lora_layers import AddedLoraLinear, PeftLinear
+from training.utils.lora_layers import use_peft_forward
 from training.utils.model import load_model_and_tokenizer
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -43,9 +43,7 @@ def engines(policy) -> dict:
 
     added = shared_base().get_base_model()  # the trainer's own layers
     peft = shared_base().get_base_model()
-    for layer in peft.modules():
-        if isinstance(layer, AddedLoraLinear):
-            layer.__class__ = PeftLinear  # peft's own forward
+    use_peft_forward(peft)
     unmerged, adapters = shared_base_copy(policy)
     return {"merged": (standalone_copy(policy), None), "peft": (peft, {}), "added": (added, {}),
             "unmerged": (unmerged, adapters)}

@@ -200,11 +200,9 @@ def time_layout(model, datums, args, device, layout: str, variant: str) -> tuple
                         **variant_fields(variant, args))
     trainer = Trainer(copy.deepcopy(model), cfg)
     if "+peft" in variant:
-        from training.utils.lora_layers import AddedLoraLinear, PeftLinear
+        from training.utils.lora_layers import use_peft_forward
 
-        for layer in trainer.model.modules():
-            if isinstance(layer, AddedLoraLinear):
-                layer.__class__ = PeftLinear
+        use_peft_forward(trainer.model)
     for _ in range(args.warmup):
         trainer.forward_backward(datums, pg_loss)
         trainer.optim_step()

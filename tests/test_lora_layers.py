@@ -11,7 +11,7 @@ import torch
 from test_lora import datums, pg_loss
 from training.utils.config import TrainerConfig
 from training.utils.lora import ADAPTER, adapters_disabled, wrap_with_lora
-from training.utils.lora_layers import AddedLoraLinear, PeftLinear
+from training.utils.lora_layers import AddedLoraLinear, PeftLinear, use_peft_forward
 from training.utils.model import load_model_and_tokenizer
 from training.utils.trainer import Trainer
 
@@ -34,9 +34,7 @@ def lora_model(dropout: float = 0.0, dtype: torch.dtype = torch.float32):
 def with_peft_layers(model):
     """A copy of `model` whose adapted layers run peft's own forward (same parameters, same values)."""
     twin = copy.deepcopy(model)
-    for layer in twin.modules():
-        if isinstance(layer, AddedLoraLinear):
-            layer.__class__ = PeftLinear
+    use_peft_forward(twin)
     return twin
 
 
@@ -131,9 +129,7 @@ def test_a_trainer_step_equals_the_step_with_peft_layers(checkpointing):
     ours = Trainer(copy.deepcopy(model), cfg)
     torch.manual_seed(1)
     theirs = Trainer(model, cfg)
-    for layer in theirs.model.modules():
-        if isinstance(layer, AddedLoraLinear):
-            layer.__class__ = PeftLinear
+    use_peft_forward(theirs.model)
     for step in range(2):
         for trainer in (ours, theirs):
             trainer.forward_backward(datums(1 + step), pg_loss)

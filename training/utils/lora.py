@@ -131,8 +131,6 @@ def merged_state_dict(model: torch.nn.Module) -> MergedState:
     """
     from peft.tuners.lora import LoraLayer
 
-    from training.utils.lora_layers import plain_linear_adapter
-
     base = model.get_base_model()
     merged = MergedState(adapter=adapter_state(model))
     for name, tensor in base.state_dict().items():
@@ -141,15 +139,16 @@ def merged_state_dict(model: torch.nn.Module) -> MergedState:
         merged[name.replace(".base_layer.", ".")] = tensor.detach()
     for module_name, module in base.named_modules():
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-            merged[f"{module_name}.weight"] = _merged_weight(module, plain_linear_adapter(module))
+            merged[f"{module_name}.weight"] = _merged_weight(module)
     return merged
 
 
-def _merged_weight(module, plain: bool) -> Tensor:
-    """`W + scaling·B·A` of one adapted layer, summed in float32 and rounded once to W's dtype (`plain`: the adapter
-    is `lora_layers.plain_linear_adapter`)."""
+def _merged_weight(module) -> Tensor:
+    """`W + scaling·B·A` of one adapted layer, summed in float32 and rounded once to W's dtype."""
+    from training.utils.lora_layers import plain_linear_adapter
+
     weight = module.get_base_layer().weight
-    if plain:
+    if plain_linear_adapter(module):
         # One fused pass: B·A scaled and added to W inside the matmul.
         lora_A, lora_B = module.lora_A[ADAPTER].weight.float(), module.lora_B[ADAPTER].weight.float()
         return torch.addmm(weight.float(), lora_B, lora_A, alpha=module.scaling[ADAPTER]).to(weight.dtype)

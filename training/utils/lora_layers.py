@@ -49,6 +49,14 @@ class AddedLoraLinear(PeftLinear):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def use_peft_forward(model: torch.nn.Module) -> None:
+    """Give every `AddedLoraLinear` of `model` back peft's own forward, in place (same parameters): the baseline the
+    tests and benchmarks compare the in-place sum with."""
+    for layer in model.modules():
+        if isinstance(layer, AddedLoraLinear):
+            layer.__class__ = PeftLinear
+
+
 class UnmergedLinear(torch.nn.Module):
     """An inference engine's LoRA projection over a shared frozen base: `y = x·Wᵀ + b + scaling·(x·Aᵀ)·Bᵀ`, the
     same in-place sum as `AddedLoraLinear` without its per-call checks (adapters enabled, merged, active, dtypes).
