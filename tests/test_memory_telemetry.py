@@ -8,10 +8,13 @@ import asyncio
 import copy
 import logging
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from engine_support import peaked_tiny
 from training.recipes import async_rl_loop, rl_loop
@@ -28,7 +31,7 @@ from training.utils.rl.memory_budget import MIN_MICROBATCH_TOKENS, activation_by
 from training.utils.rl.memory_telemetry import RSSWindow, memory_summary, owner_bytes
 from training.utils.rl.rollout.types import sample_from_completion
 from training.utils.tiny_model import tiny_config
-from training.utils.trainer import Datum, Trainer
+from training.utils.trainer import Datum, Trainer, enable_activation_checkpointing
 
 # tiny_config(260): vocabulary V, hidden H, intermediate INTER, 2 layers, 4 heads of D = 16, 2 key/value heads.
 V, H, INTER, LAYERS, KV_HEADS, D = 260, 64, 128, 2, 2, 16
@@ -266,6 +269,40 @@ def test_the_activation_estimate_holds_to_what_autograd_saves_on_a_tiny_model():
     measured = sum(size for ptr, size in saved.items() if ptr not in weights) / (rows * length)
     estimate = activation_bytes_per_token(model.config, 4, length, checkpointing=False)
     assert 0.8 * measured <= estimate <= 1.25 * measured, (estimate, measured)
+
+
+def test_the_checkpointed_estimate_holds_to_what_the_layers_keep_on_a_tiny_model():
+    """With checkpointing autograd's saved tensors hide behind the checkpoint's holders, so this counts the storages
+    the decoder layers created that are still alive once the forward returns: what the backward will read. Each
+    layer's input (the previous layer's output) and its attention output and logsumexp: under plain checkpointing
+    only the first, half of the estimate."""
+    model = tiny_model()
+    enable_activation_checkpointing(model)
+    model.train()
+    created, outside, inside = [], {p.untyped_storage().data_ptr() for p in model.parameters()}, []
+
+    class LayerCreated(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            storages = [t.untyped_storage() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            if inside:
+                created.extend(weakref.ref(storage) for storage in storages)
+            else:  # the embedding, the rotary tables and the mask: shared by the layers, not theirs
+                outside.update(storage.data_ptr() for storage in storages)
+            return out
+
+    for layer in model.get_decoder().layers:
+        layer.register_forward_pre_hook(lambda *args: inside.append(1))
+        layer.register_forward_hook(lambda *args: inside.clear())
+    rows, length = 4, 256
+    with LayerCreated():
+        hidden = model.get_decoder()(input_ids=torch.randint(0, V, (rows, length)), use_cache=False).last_hidden_state
+    alive = {ref().data_ptr(): ref().nbytes() for ref in created if ref() is not None}
+    measured = sum(size for ptr, size in alive.items() if ptr not in outside) / (rows * length)
+    kept = (activation_bytes_per_token(model.config, 4, length, checkpointing=True)
+            - activation_bytes_per_token(model.config, 4, length, checkpointing=False) // LAYERS)  # less the layer
+    assert 0.8 * measured <= kept <= 1.25 * measured, (kept, measured)  # being recomputed, which is transient
+    hidden.sum().backward()
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training.utils.config import TrainerConfig
@@ -14,6 +15,7 @@ from training.utils.errors import ConfigError
 from training.utils.model import load_model_and_tokenizer
 from training.utils.tiny_model import tiny_config
 from training.utils.trainer import Datum, MicroBatch, Trainer, lr_multiplier, plan_microbatches
+from training.utils.trainer.activation_checkpointing import KEPT_ATTENTION_OPS
 
 VOCAB = 260
 
@@ -233,6 +235,26 @@ def test_gradient_checkpointing_gives_the_same_gradient(model):
     Trainer(model, TrainerConfig(gradient_checkpointing=True)).forward_backward(datums, token_mean_pg_loss)
     for name, value in grads(model).items():
         assert (plain[name] - value).abs().max() < 1e-5, name
+
+
+def test_gradient_checkpointing_keeps_attention_and_recomputes_the_mlp(model):
+    """Each layer's attention kernel runs once in a checkpointed forward_backward (its output is kept), while the
+    rest of the layer runs twice (forward, then the backward's recomputation)."""
+    trainer = Trainer(model, TrainerConfig(gradient_checkpointing=True))
+    attention, mlp = [], []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in KEPT_ATTENTION_OPS:
+                attention.append(func)
+            return func(*args, **(kwargs or {}))
+
+    trainer.model.get_decoder().layers[0].mlp.register_forward_pre_hook(lambda *args: mlp.append(1))
+    with Count():
+        trainer.forward_backward(random_datums([15, 8]), token_mean_pg_loss)
+    layers = trainer.model.config.num_hidden_layers
+    assert len(mlp) == 2, "the MLP is recomputed"
+    assert [str(op) for op in attention] == ["aten._scaled_dot_product_flash_attention_for_cpu.default"] * layers
 
 
 def test_microbatch_fields_and_extras(model):

@@ -54,7 +54,9 @@ class TrainerConfig(StrictModel):
     and CPUs with AVX512-BF16 or AMX, detected at run time), fp32 elsewhere. The reference model uses the same
     numerics as the policy."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    """Recompute activations in the backward pass to save memory: each decoder layer keeps its input and its
+    attention kernel's output (sdpa's fused kernels), and recomputes its projections, norms and MLP. Costs one
+    more forward of those per micro-batch (`trainer/activation_checkpointing.py`)."""
     compile_layers: bool = False
     """`torch.compile` each decoder layer (dynamic shapes): fuses the norms, rotary embedding, activation and
     residual adds, which otherwise run as separate memory-bound kernels. The first call compiles (all layers

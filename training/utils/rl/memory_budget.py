@@ -17,11 +17,12 @@ The estimate adds up:
 To fit, the prefix cache's bound is lowered first (down to one context's keys/values, or the bound set if lower:
 the longest prompt still fits, so a row's later draws and a session's next turn still find theirs), then
 `trainer.max_tokens_per_microbatch` (down to `MIN_MICROBATCH_TOKENS`: smaller micro-batches only cost more
-forwards), then activation checkpointing is turned on (`trainer.gradient_checkpointing`: each layer's input kept
-instead of all its activations, for one more forward of each micro-batch) with the micro-batch budget as set,
-lowered again only if it must. Not counted: memory malloc holds freed (`mem/malloc_free` under glibc), an engine
-forward's transient buffers, and a datum longer than the micro-batch budget, which trains alone at its own length
-(bound it with `max_sequence_tokens`). Each step's `mem/rss_peak` shows what the estimate missed.
+forwards), then activation checkpointing is turned on (`trainer.gradient_checkpointing`: each layer's input and
+attention output kept instead of all its activations, for one more forward of the rest of each micro-batch) with
+the micro-batch budget as set, lowered again only if it must. Not counted: memory malloc holds freed
+(`mem/malloc_free` under glibc), an engine forward's transient buffers, and a datum longer than the micro-batch
+budget, which trains alone at its own length (bound it with `max_sequence_tokens`). Each step's `mem/rss_peak` shows
+what the estimate missed.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def activation_bytes_per_token(model_config, element_bytes: int, row_tokens: int
     attention output (3 H), the keys and values with their rotated and head-repeated copies (3 x kv heads x head dim
     and 2 H), the MLP's gate, up, activation and product (4 x intermediate); and the float attention mask each layer
     builds for a padded or shared-prefix row: one value per token of the row (`row_tokens`). With activation
-    checkpointing, only each layer's input, and one layer recomputed at a time. `tests/test_memory_telemetry.py`
-    holds it to what autograd saves on a tiny model.
+    checkpointing, each layer's input, its attention output and float32 logsumexp (kept, not recomputed:
+    `trainer/activation_checkpointing.py`), and one layer recomputed at a time. `tests/test_memory_telemetry.py`
+    holds both to what autograd saves on a tiny model.
     """
     text = model_config.get_text_config()
     hidden, layers, heads = text.hidden_size, text.num_hidden_layers, text.num_attention_heads
@@ -63,7 +65,7 @@ def activation_bytes_per_token(model_config, element_bytes: int, row_tokens: int
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
     per_layer = 9 * hidden + 3 * kv_heads * head_dim + 4 * intermediate + row_tokens
     if checkpointing:
-        return (layers * hidden + per_layer) * element_bytes
+        return (layers * (hidden + heads * head_dim) + per_layer) * element_bytes + layers * heads * 4
     return layers * per_layer * element_bytes
 
 

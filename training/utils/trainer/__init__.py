@@ -1,10 +1,12 @@
 """The local policy/reference trainer (`core.Trainer`), its datums and micro-batches (`batching`), its
 chunked vocabulary projection (`logprob_head`), optimizer schedule and update guard (`optim`), compiled
-layers (`compiled`), FSDP2 pieces (`sharding`), prefix sharing (`shared_prefix`) and precision (`precision`)."""
+layers (`compiled`), FSDP2 pieces (`sharding`), prefix sharing (`shared_prefix`), precision (`precision`) and
+activation checkpointing (`activation_checkpointing`)."""
 
 from training.utils.lora import AdapterDisabledReference
+from training.utils.trainer.activation_checkpointing import enable_activation_checkpointing
 from training.utils.trainer.batching import Datum, MicroBatch, plan_microbatches
-from training.utils.trainer.core import Reference, Trainer, enable_activation_checkpointing
+from training.utils.trainer.core import Reference, Trainer
 from training.utils.trainer.optim import lr_multiplier
 from training.utils.trainer.precision import compute_dtype, resolve_precision, weight_dtype
 

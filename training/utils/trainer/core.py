@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from pathlib import Path
 
 import torch
@@ -52,6 +51,7 @@ from training.utils.lora import (
     standalone_copy,
     wrap_with_lora,
 )
+from training.utils.trainer.activation_checkpointing import enable_activation_checkpointing
 from training.utils.trainer.batching import (
     Datum,
     LossFn,
@@ -484,12 +484,3 @@ class Trainer:
 
 Reference = Trainer | AdapterDisabledReference
 """What computes reference logprobs: a frozen `Trainer`, or a LoRA policy's base model."""
-
-
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """HF activation checkpointing, non-reentrant (the reentrant form needs inputs that require grad)."""
-    # transformers 5.17 (our lowest supported) only has the old name; later releases keep it as a
-    # deprecated alias that warns on every call.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
