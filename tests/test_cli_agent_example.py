@@ -211,7 +211,8 @@ def test_a_cli_that_exits_non_zero_after_its_model_calls_is_graded_and_one_that_
 
 def test_the_example_recomputes_activations_instead_of_keeping_them():
     """A CLI's first prompt alone is 7k-17k tokens: the example's trainer must keep only each layer's input for
-    the backward (RESULTS counts 3.4 MiB a token without checkpointing on Qwen3-0.6B, 120 KiB with it)."""
+    the backward, its attention output recomputed too (RESULTS counts 3.4 MiB a token without checkpointing on
+    Qwen3-0.6B, 120 KiB with it)."""
     import torch
 
     from training.examples.rl.cli_agent.train import cfg
@@ -233,7 +234,7 @@ def test_the_example_recomputes_activations_instead_of_keeping_them():
             policy.forward_backward([datum], lambda logprobs, mb: (-(logprobs * mb.weights).sum(), {}))
         return sum(kept)
 
-    assert cfg.trainer.gradient_checkpointing
+    assert cfg.trainer.gradient_checkpointing and cfg.trainer.recompute_attention
     plain = kept_bytes(cfg.trainer.model_copy(update={"gradient_checkpointing": False}))
     checkpointed = kept_bytes(cfg.trainer)
     assert checkpointed < plain / 3, (checkpointed, plain)

@@ -271,13 +271,15 @@ def test_the_activation_estimate_holds_to_what_autograd_saves_on_a_tiny_model():
     assert 0.8 * measured <= estimate <= 1.25 * measured, (estimate, measured)
 
 
-def test_the_checkpointed_estimate_holds_to_what_the_layers_keep_on_a_tiny_model():
+@pytest.mark.parametrize("keep_attention", [True, False])
+def test_the_checkpointed_estimate_holds_to_what_the_layers_keep_on_a_tiny_model(keep_attention):
     """With checkpointing autograd's saved tensors hide behind the checkpoint's holders, so this counts the storages
     the decoder layers created that are still alive once the forward returns: what the backward will read. Each
-    layer's input (the previous layer's output) and its attention output and logsumexp: under plain checkpointing
-    only the first, half of the estimate."""
+    layer's input (the previous layer's output), and its attention output and logsumexp unless
+    `trainer.recompute_attention`: the tiny model's heads x head dim is its hidden size, so the one is twice the
+    other."""
     model = tiny_model()
-    enable_activation_checkpointing(model)
+    enable_activation_checkpointing(model, keep_attention)
     model.train()
     created, outside, inside = [], {p.untyped_storage().data_ptr() for p in model.parameters()}, []
 
@@ -299,7 +301,7 @@ def test_the_checkpointed_estimate_holds_to_what_the_layers_keep_on_a_tiny_model
         hidden = model.get_decoder()(input_ids=torch.randint(0, V, (rows, length)), use_cache=False).last_hidden_state
     alive = {ref().data_ptr(): ref().nbytes() for ref in created if ref() is not None}
     measured = sum(size for ptr, size in alive.items() if ptr not in outside) / (rows * length)
-    kept = (activation_bytes_per_token(model.config, 4, length, checkpointing=True)
+    kept = (activation_bytes_per_token(model.config, 4, length, checkpointing=True, keep_attention=keep_attention)
             - activation_bytes_per_token(model.config, 4, length, checkpointing=False) // LAYERS)  # less the layer
     assert 0.8 * measured <= kept <= 1.25 * measured, (kept, measured)  # being recomputed, which is transient
     hidden.sum().backward()

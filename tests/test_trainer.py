@@ -14,7 +14,14 @@ from training.utils.config import TrainerConfig
 from training.utils.errors import ConfigError
 from training.utils.model import load_model_and_tokenizer
 from training.utils.tiny_model import tiny_config
-from training.utils.trainer import Datum, MicroBatch, Trainer, lr_multiplier, plan_microbatches
+from training.utils.trainer import (
+    Datum,
+    MicroBatch,
+    Trainer,
+    activation_checkpointing,
+    lr_multiplier,
+    plan_microbatches,
+)
 from training.utils.trainer.activation_checkpointing import KEPT_ATTENTION_OPS
 
 VOCAB = 260
@@ -237,10 +244,12 @@ def test_gradient_checkpointing_gives_the_same_gradient(model):
         assert (plain[name] - value).abs().max() < 1e-5, name
 
 
-def test_gradient_checkpointing_keeps_attention_and_recomputes_the_mlp(model):
+@pytest.mark.parametrize("recompute_attention", [False, True])
+def test_gradient_checkpointing_keeps_attention_and_recomputes_the_mlp(model, recompute_attention):
     """Each layer's attention kernel runs once in a checkpointed forward_backward (its output is kept), while the
-    rest of the layer runs twice (forward, then the backward's recomputation)."""
-    trainer = Trainer(model, TrainerConfig(gradient_checkpointing=True))
+    rest of the layer runs twice (forward, then the backward's recomputation); twice too with
+    `recompute_attention`."""
+    trainer = Trainer(model, TrainerConfig(gradient_checkpointing=True, recompute_attention=recompute_attention))
     attention, mlp = [], []
 
     class Count(TorchDispatchMode):
@@ -254,7 +263,21 @@ def test_gradient_checkpointing_keeps_attention_and_recomputes_the_mlp(model):
         trainer.forward_backward(random_datums([15, 8]), token_mean_pg_loss)
     layers = trainer.model.config.num_hidden_layers
     assert len(mlp) == 2, "the MLP is recomputed"
-    assert [str(op) for op in attention] == ["aten._scaled_dot_product_flash_attention_for_cpu.default"] * layers
+    runs = (2 if recompute_attention else 1) * layers
+    assert [str(op) for op in attention] == ["aten._scaled_dot_product_flash_attention_for_cpu.default"] * runs
+
+
+def test_the_start_up_check_of_kept_attention_reports_what_fails(monkeypatch):
+    """Off the CPU, checkpointing checks that keeping attention outputs works before it keeps them; here, where it
+    works, the check passes, and a failure inside selective checkpointing is reported, not raised."""
+    assert activation_checkpointing.kept_attention_problem(torch.device("cpu")) is None
+
+    def broken(policy):
+        raise RuntimeError("no selective checkpointing here")
+
+    monkeypatch.setattr(activation_checkpointing, "create_selective_checkpoint_contexts", broken)
+    problem = activation_checkpointing.kept_attention_problem(torch.device("cpu"))
+    assert problem == "raised RuntimeError: no selective checkpointing here"
 
 
 def test_microbatch_fields_and_extras(model):

@@ -31,10 +31,11 @@ cfg = Config(
     # A reply may hold a tool call with a file's content; the rollout's own limit leaves the CLI's (agent_timeout_s)
     # room.
     sampling=SamplingConfig(max_tokens=2048, temperature=1.0), rollout_timeout_s=900,
-    # The backward recomputes activations instead of keeping them: a CLI's first prompt alone is 7k-17k tokens, and
-    # keeping them would outgrow a laptop's memory (benchmarks/RESULTS.md counts it). The shim is the CLI's model
-    # endpoint.
-    trainer=TrainerConfig(learning_rate=1e-6, gradient_checkpointing=True), agent_shim=AgentShimConfig(enabled=True),
+    # The backward recomputes activations, attention included, instead of keeping them: a CLI's first prompt alone
+    # is 7k-17k tokens, and keeping them would outgrow a laptop's memory (benchmarks/RESULTS.md counts it). The shim
+    # is the CLI's model endpoint.
+    trainer=TrainerConfig(learning_rate=1e-6, gradient_checkpointing=True, recompute_attention=True),
+    agent_shim=AgentShimConfig(enabled=True),
 )
 rollout_extras = {"agent": "claude", "agent_timeout_s": 600, "runs_log": str(Path(cfg.log_path) / "agent_runs.jsonl")}
 TRAIN_ROWS, EVAL_ROWS = 256, 16
