@@ -276,8 +276,8 @@ def test_the_checkpointed_estimate_holds_to_what_the_layers_keep_on_a_tiny_model
     """With checkpointing autograd's saved tensors hide behind the checkpoint's holders, so this counts the storages
     the decoder layers created that are still alive once the forward returns: what the backward will read. Each
     layer's input (the previous layer's output), and its attention output and logsumexp unless
-    `trainer.recompute_attention`: the tiny model's heads x head dim is its hidden size, so the one is twice the
-    other."""
+    `trainer.recompute_attention`: on the tiny model (heads x head dim = hidden size) keeping attention doubles
+    what a layer keeps."""
     model = tiny_model()
     enable_activation_checkpointing(model, keep_attention)
     model.train()
@@ -301,9 +301,10 @@ def test_the_checkpointed_estimate_holds_to_what_the_layers_keep_on_a_tiny_model
         hidden = model.get_decoder()(input_ids=torch.randint(0, V, (rows, length)), use_cache=False).last_hidden_state
     alive = {ref().data_ptr(): ref().nbytes() for ref in created if ref() is not None}
     measured = sum(size for ptr, size in alive.items() if ptr not in outside) / (rows * length)
+    # The estimate less its one layer being recomputed, which lives only in the backward.
     kept = (activation_bytes_per_token(model.config, 4, length, checkpointing=True, keep_attention=keep_attention)
-            - activation_bytes_per_token(model.config, 4, length, checkpointing=False) // LAYERS)  # less the layer
-    assert 0.8 * measured <= kept <= 1.25 * measured, (kept, measured)  # being recomputed, which is transient
+            - activation_bytes_per_token(model.config, 4, length, checkpointing=False) // LAYERS)
+    assert 0.8 * measured <= kept <= 1.25 * measured, (kept, measured)
     hidden.sum().backward()
 
 

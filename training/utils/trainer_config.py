@@ -58,9 +58,10 @@ class TrainerConfig(StrictModel):
     attention kernel's output (sdpa's fused kernels), and recomputes its projections, norms and MLP. Costs one
     more forward of those per micro-batch (`trainer/activation_checkpointing.py`)."""
     recompute_attention: bool = False
-    """With `gradient_checkpointing`, recompute each layer's attention too instead of keeping its output: the least
-    memory (each layer's input only), for one more attention forward per layer. The output costs as much again as
-    the input where heads x head dim equals the hidden size (Llama, SmolLM2), twice as much on Qwen3's shapes."""
+    """With `gradient_checkpointing` (set, or turned on by `memory_budget_gib`), recompute each layer's attention
+    too instead of keeping its output: the least memory (each layer's input only), for one more attention forward
+    per layer. The output costs as much again as the input where heads x head dim equals the hidden size (Llama,
+    SmolLM2), twice as much on Qwen3's shapes."""
     compile_layers: bool = False
     """`torch.compile` each decoder layer (dynamic shapes): fuses the norms, rotary embedding, activation and
     residual adds, which otherwise run as separate memory-bound kernels. The first call compiles (all layers

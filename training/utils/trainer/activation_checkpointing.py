@@ -62,11 +62,11 @@ def kept_attention_problem(device: torch.device) -> str | None:
 def enable_activation_checkpointing(model: torch.nn.Module, keep_attention: bool = True) -> None:
     """transformers' per-layer checkpointing, non-reentrant (the reentrant form needs inputs that require grad, and
     cannot keep chosen outputs), keeping each layer's attention output unless not `keep_attention`
-    (`trainer.recompute_attention`). Off the CPU, where the tests run, keeping is checked first on a small block
-    (`kept_attention_problem`) and, if it fails, left off with a warning."""
+    (`trainer.recompute_attention`). On an accelerator (the tests here run on the CPU) keeping is checked first on a
+    small block (`kept_attention_problem`) and, if it fails, left off with a warning."""
     kwargs = {"use_reentrant": False}
     device = next(model.parameters()).device
-    problem = kept_attention_problem(device) if keep_attention and device.type != "cpu" else None
+    problem = kept_attention_problem(device) if keep_attention and device.type not in ("cpu", "meta") else None
     if problem is not None:
         logger.warning("gradient_checkpointing: keeping attention outputs on %s %s; each layer's attention is "
                        "recomputed instead (as with trainer.recompute_attention=True)", device, problem)
