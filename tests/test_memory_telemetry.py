@@ -271,15 +271,15 @@ def test_the_activation_estimate_holds_to_what_autograd_saves_on_a_tiny_model():
     assert 0.8 * measured <= estimate <= 1.25 * measured, (estimate, measured)
 
 
-@pytest.mark.parametrize("keep_attention", [True, False])
-def test_the_checkpointed_estimate_holds_to_what_the_layers_keep_on_a_tiny_model(keep_attention):
+@pytest.mark.parametrize("recompute_attention", [False, True])
+def test_the_checkpointed_estimate_holds_to_what_the_layers_keep_on_a_tiny_model(recompute_attention):
     """With checkpointing autograd's saved tensors hide behind the checkpoint's holders, so this counts the storages
     the decoder layers created that are still alive once the forward returns: what the backward will read. Each
     layer's input (the previous layer's output), and its attention output and logsumexp unless
     `trainer.recompute_attention`: on the tiny model (heads x head dim = hidden size) keeping attention doubles
     what a layer keeps."""
     model = tiny_model()
-    enable_activation_checkpointing(model, keep_attention)
+    enable_activation_checkpointing(model, recompute_attention)
     model.train()
     created, outside, inside = [], {p.untyped_storage().data_ptr() for p in model.parameters()}, []
 
@@ -302,7 +302,8 @@ def test_the_checkpointed_estimate_holds_to_what_the_layers_keep_on_a_tiny_model
     alive = {ref().data_ptr(): ref().nbytes() for ref in created if ref() is not None}
     measured = sum(size for ptr, size in alive.items() if ptr not in outside) / (rows * length)
     # The estimate less its one layer being recomputed, which lives only in the backward.
-    kept = (activation_bytes_per_token(model.config, 4, length, checkpointing=True, keep_attention=keep_attention)
+    kept = (activation_bytes_per_token(model.config, 4, length, checkpointing=True,
+                                       recompute_attention=recompute_attention)
             - activation_bytes_per_token(model.config, 4, length, checkpointing=False) // LAYERS)
     assert 0.8 * measured <= kept <= 1.25 * measured, (kept, measured)
     hidden.sum().backward()

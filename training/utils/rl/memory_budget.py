@@ -48,15 +48,15 @@ MIN_MICROBATCH_TOKENS = 256
 micro-batch is mostly the per-forward cost, and the model's own sequences seldom fit in fewer tokens."""
 
 def activation_bytes_per_token(model_config, element_bytes: int, row_tokens: int, checkpointing: bool,
-                                keep_attention: bool = True) -> int:
+                                recompute_attention: bool = False) -> int:
     """What autograd keeps per token of a decoder-only transformer's forward, for its backward.
 
     Per layer: the two norms' inputs and outputs and the residual (about 4 H), the query, its rotated copy and the
     attention output (3 H), the keys and values with their rotated and head-repeated copies (3 x kv heads x head dim
     and 2 H), the MLP's gate, up, activation and product (4 x intermediate); and the float attention mask each layer
     builds for a padded or shared-prefix row: one value per token of the row (`row_tokens`). With activation
-    checkpointing, each layer's input, its attention output and float32 logsumexp (kept, not recomputed, unless
-    not `keep_attention`: `trainer/activation_checkpointing.py`), and one layer recomputed at a time.
+    checkpointing, each layer's input, its attention output and float32 logsumexp (kept unless
+    `recompute_attention`: `trainer/activation_checkpointing.py`), and one layer recomputed at a time.
     `tests/test_memory_telemetry.py` holds both to what autograd saves on a tiny model.
     """
     text = model_config.get_text_config()
@@ -66,7 +66,7 @@ def activation_bytes_per_token(model_config, element_bytes: int, row_tokens: int
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
     per_layer = 9 * hidden + 3 * kv_heads * head_dim + 4 * intermediate + row_tokens
     if checkpointing:
-        attention = (heads * head_dim * element_bytes + heads * 4) if keep_attention else 0
+        attention = 0 if recompute_attention else heads * head_dim * element_bytes + heads * 4
         return (layers * hidden + per_layer) * element_bytes + layers * attention
     return layers * per_layer * element_bytes
 
@@ -155,7 +155,7 @@ def _working_set(cfg: RLConfig, policy: Trainer, vocab_size: int, context: int) 
 
     def working_set(tokens: int, checkpointing: bool) -> int:
         activations = tokens * activation_bytes_per_token(policy.model.config, element_bytes, min(tokens, context),
-                                                          checkpointing, not policy.cfg.recompute_attention)
+                                                          checkpointing, policy.cfg.recompute_attention)
         return activations + projection_bytes(lm_head, tokens, policy.cfg.logprob_chunk_tokens, vocab_size,
                                               policy.device, with_entropy_grad=cfg.entropy_coef > 0)
 
@@ -179,7 +179,7 @@ def fit_memory_budget(cfg: RLConfig, policy: Trainer, reference: Reference | Non
             # The trainers read their micro-batch budget at each call; the config the user wrote stays as written.
             trainer.cfg = trainer.cfg.model_copy(update={"max_tokens_per_microbatch": microbatch_tokens})
     if checkpointing and not policy.cfg.gradient_checkpointing:  # the reference computes without grad: no activations
-        enable_activation_checkpointing(policy.model, keep_attention=not policy.cfg.recompute_attention)
+        enable_activation_checkpointing(policy.model, policy.cfg.recompute_attention)
         policy.cfg = policy.cfg.model_copy(update={"gradient_checkpointing": True})
     if prefix_cache is None:
         return cfg.deployment

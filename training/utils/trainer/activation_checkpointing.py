@@ -17,7 +17,6 @@ where no test here runs, keeping is checked on a small block at start-up and lef
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
 
@@ -28,14 +27,20 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 logger = logging.getLogger("training")
 
 KEPT_ATTENTION_OPS = frozenset(
-    op for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-    if hasattr(torch.ops.aten, name) for op in (getattr(torch.ops.aten, name).default,))
+    getattr(torch.ops.aten, name).default
+    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, name))
 """sdpa's fused kernels, on the CPU and on CUDA, whose outputs a checkpointed layer keeps for its backward."""
 
 
 def _keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in KEPT_ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _kept_attention_contexts():
+    """The `context_fn` of a checkpoint that keeps attention outputs: fresh contexts for every checkpointed call."""
+    return create_selective_checkpoint_contexts(_keep_attention)
 
 
 def kept_attention_problem(device: torch.device) -> str | None:
@@ -45,12 +50,11 @@ def kept_attention_problem(device: torch.device) -> str | None:
     def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q.sin(), k, v, is_causal=True).cos()
 
-    keep = functools.partial(create_selective_checkpoint_contexts, _keep_attention)
     try:
         for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
             inputs = [torch.randn(2, 4, 32, 16, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
             plain, kept = (torch.autograd.grad(checkpoint(block, *inputs, use_reentrant=False, **extra).sum(), inputs)
-                           for extra in ({}, {"context_fn": keep}))
+                           for extra in ({}, {"context_fn": _kept_attention_contexts}))
             for want, got in zip(plain, kept, strict=True):
                 if not torch.allclose(want.float(), got.float(), rtol=tolerance, atol=tolerance):
                     return f"its {dtype} gradients differ from plain checkpointing's"
@@ -59,19 +63,19 @@ def kept_attention_problem(device: torch.device) -> str | None:
     return None
 
 
-def enable_activation_checkpointing(model: torch.nn.Module, keep_attention: bool = True) -> None:
+def enable_activation_checkpointing(model: torch.nn.Module, recompute_attention: bool = False) -> None:
     """transformers' per-layer checkpointing, non-reentrant (the reentrant form needs inputs that require grad, and
-    cannot keep chosen outputs), keeping each layer's attention output unless not `keep_attention`
+    cannot keep chosen outputs), keeping each layer's attention output unless `recompute_attention`
     (`trainer.recompute_attention`). On an accelerator (the tests here run on the CPU) keeping is checked first on a
     small block (`kept_attention_problem`) and, if it fails, left off with a warning."""
     kwargs = {"use_reentrant": False}
     device = next(model.parameters()).device
-    problem = kept_attention_problem(device) if keep_attention and device.type not in ("cpu", "meta") else None
+    problem = None if recompute_attention or device.type in ("cpu", "meta") else kept_attention_problem(device)
     if problem is not None:
         logger.warning("gradient_checkpointing: keeping attention outputs on %s %s; each layer's attention is "
                        "recomputed instead (as with trainer.recompute_attention=True)", device, problem)
-    if keep_attention and problem is None:
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_attention)
+    if not recompute_attention and problem is None:
+        kwargs["context_fn"] = _kept_attention_contexts
     # transformers 5.17 (our lowest supported) only has the old name; later releases keep it as a
     # deprecated alias that warns on every call.
     with warnings.catch_warnings():

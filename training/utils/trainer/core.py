@@ -143,7 +143,7 @@ class Trainer:
                                                 dropout=cfg.lora_dropout, target_modules=cfg.lora_target_modules)
             self.adapter_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if cfg.gradient_checkpointing:
-            enable_activation_checkpointing(model, keep_attention=not cfg.recompute_attention)
+            enable_activation_checkpointing(model, cfg.recompute_attention)
         self._shard_if_distributed()
         if cfg.compile_layers:
             self.compiled_layers = CompiledLayers(model)
