@@ -15,7 +15,7 @@ from training import restart_with_allocator
 if __name__ == "__main__":
     restart_with_allocator()  # first, before torch loads: the run's memory through mimalloc (docs/allocator.md)
 
-from training import AgentShimConfig, SamplingConfig, TrainerConfig, rollout_evaluation
+from training import AgentShimConfig, DeploymentConfig, SamplingConfig, TrainerConfig, rollout_evaluation
 from training.examples.rl.blackbox_agent.make_data import load_split
 from training.examples.rl.blackbox_agent.rollout import make_rollout_fn
 from training.examples.rl.blackbox_agent.shim_stats import markdown_table, run_dir_stats
@@ -29,11 +29,13 @@ cfg = Config(
     completions_per_prompt=8, prompt_groups_per_step=2, max_steps=15, max_head_offpolicy_versions=1,
     # 16 tokens hold any completed equation ("9 + 9 = 18"); a rambling reply is cut and misses the format.
     sampling=SamplingConfig(max_tokens=16, temperature=0.7),
-    # LoRA adapters at 15x full fine-tuning's learning rate, which the embedded engine runs over the trainer's own
-    # base weights: no gradients, moments or second copy of the model. Micro-batches of 512 tokens bound the float32
-    # activations kept for the backward, so the run fits a laptop's memory without recomputing them
-    # (docs/lora-examples.md weighs it against full fine-tuning).
+    # LoRA adapters at 15x full fine-tuning's learning rate: no gradients or moments of the base weights.
+    # Micro-batches of 512 tokens bound the float32 activations kept for the backward, so the run fits a laptop's
+    # memory without recomputing them (docs/lora-examples.md weighs it against full fine-tuning).
     trainer=TrainerConfig(lora_rank=16, learning_rate=3e-4, max_tokens_per_microbatch=512),
+    # The agents' rows reach the engine a few at a time, where adapters run unmerged over the trainer's base cost
+    # each decode step most: the engine holds its own merged copy instead (half a GB in float32, within the budget).
+    deployment=DeploymentConfig(lora_weights="merged"),
     # The shim is the agent's model endpoint; one agent run may take minutes on a CPU.
     agent_shim=AgentShimConfig(enabled=True), rollout_timeout_s=300,
 )
