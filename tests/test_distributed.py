@@ -361,11 +361,13 @@ def test_lora_under_torchrun_matches_one_process_and_resumes_in_one(tmp_path):
     policy, datums, rng = make_lora_policy(), make_datums(), np.random.default_rng(0)
     for mine, theirs in zip(policy.adapter_disabled_reference().logprobs(datums), seen["reference"]):
         torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=0)
-    for theirs in seen["run_metrics"]:
+    for step, theirs in enumerate(seen["run_metrics"]):
         mine = train_step(policy, datums, rng)
+        # Float32 sums in another order: the first step agrees to about 1e-7. Each AdamW step then turns that
+        # rounding into weights apart by more (numerics_support.ADAM_WEIGHTS_ATOL), so later steps agree less.
+        rel = 1e-5 if step == 0 else 1e-4
         for name in ("train/loss", "train/grad_norm", "train/ratio_mean"):
-            # The adapters' gradient norm is ~8 here: float32 sums in another order differ by ~1e-6 of it.
-            assert theirs[name] == pytest.approx(mine[name], rel=1e-5, abs=1e-5), name
+            assert theirs[name] == pytest.approx(mine[name], rel=rel, abs=1e-5), (step, name)
     merged = policy.state_dict_for_inference()
     assert merged.keys() == seen["merged"].keys() and not any(".lora_" in name for name in merged)
     for name, weight in merged.items():
