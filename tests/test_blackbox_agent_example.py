@@ -372,7 +372,7 @@ def test_async_recipe_trains_on_the_agents_runs_and_sums_shim_counters_per_step(
 
 def test_the_default_config_gives_the_engine_a_merged_copy_where_auto_would_share_the_trainers_base():
     """The agents' rows decode a few at a time, where adapters run unmerged over the shared base cost the engine most
-    (RESULTS: a merged copy decoded the same workload in 0.79x the time), so `train.py` asks for the merged copy that
+    (RESULTS, "`blackbox_agent`'s engine on a merged copy"), so `train.py` asks for the merged copy that
     `lora_weights="auto"` would not give its LoRA policy on a float32 CPU engine."""
     from training.examples.rl.blackbox_agent import train
 
