@@ -1,5 +1,6 @@
 """Shared by the engine and deployment tests on CPU (`test_deploy.py`, `test_deployment_secret.py`,
-`test_deploy_limits.py`) and on CUDA (`test_gpu.py`), and by the tests of what a raw connection can hold open."""
+`test_deploy_limits.py`, the prefix cache's) and on CUDA (`test_gpu.py`), and by the tests of what a raw connection
+can hold open."""
 
 import asyncio
 import contextlib
@@ -15,6 +16,11 @@ from training.utils.tiny_model import tiny_config
 
 LATE_S = 10.0
 """A server's deadline never fires early; on a loaded machine it may fire late, never this late."""
+
+
+def reads(kv: torch.Tensor):
+    """A `PrefixCache.add` reader of the keys/values `kv` (layers, 2, H, tokens, D): copies of its tokens[start:end]."""
+    return lambda start, end: kv[:, :, :, start:end].clone()
 
 
 def peaked_tiny(seed: int):

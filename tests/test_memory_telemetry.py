@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from engine_support import peaked_tiny
+from engine_support import peaked_tiny, reads
 from training.recipes import async_rl_loop, rl_loop
 from training.utils.config import DeploymentConfig, SamplingConfig, TrainerConfig
 from training.utils.deploy import Engine
@@ -133,15 +133,15 @@ def test_the_prefix_cache_reports_the_most_it_held_since_the_previous_read():
     """A weight sync empties the cache before the step's record is taken: the record shows what it held."""
     cache = PrefixCache(max_tokens=1000, max_bytes=64 * 100)
     assert cache.take_most_bytes() == 0
-    cache.add(tokens(40, 0), lambda: fake_kv(40))
-    cache.add(tokens(50, 1), lambda: fake_kv(50))
+    cache.add(tokens(40, 0), reads(fake_kv(40)))
+    cache.add(tokens(50, 1), reads(fake_kv(50)))
     assert cache.num_bytes == 64 * 90
-    cache.add(tokens(30, 2), lambda: fake_kv(30))  # 120 tokens' bytes: over the bound, the first is evicted
+    cache.add(tokens(30, 2), reads(fake_kv(30)))  # 120 tokens' bytes: over the bound, the first is evicted
     assert cache.num_bytes == 64 * 80
     cache.clear()  # a weight sync
     assert cache.take_most_bytes() == 64 * 90, "the most held, within the bound"
     assert cache.take_most_bytes() == 0, "counted anew"
-    cache.add(tokens(20, 3), lambda: fake_kv(20))
+    cache.add(tokens(20, 3), reads(fake_kv(20)))
     assert cache.take_most_bytes() == cache.take_most_bytes() == 64 * 20, "what it holds now, when that is the most"
 
 
@@ -149,18 +149,18 @@ def test_the_prefix_cache_evicts_by_bytes_and_keeps_nothing_larger_than_its_byte
     cache = PrefixCache(10_000, max_bytes=100 * 64)
     a, b, c = tokens(40, 0), tokens(40, 1), tokens(40, 2)
     for sequence in (a, b):
-        cache.add(sequence, lambda: fake_kv(40))
+        cache.add(sequence, reads(fake_kv(40)))
     assert (cache.num_tokens, cache.num_bytes) == (80, 80 * 64)
-    cache.add(c, lambda: fake_kv(40))  # 120 tokens' bytes: the least recently used goes
+    cache.add(c, reads(fake_kv(40)))  # 120 tokens' bytes: the least recently used goes
     assert (cache.num_bytes, cache.match(a + [1])[1], cache.match(c + [1])[1]) == (80 * 64, 0, 40)
 
-    def not_read():
+    def not_read(start, end):
         raise AssertionError("a sequence larger than the byte bound was copied")
 
     cache.add(tokens(101, 3), not_read)  # the bytes of a token are known by now: not even copied
     assert cache.num_bytes == 80 * 64 and len(cache) == 2
     fresh = PrefixCache(10_000, max_bytes=100 * 64)
-    fresh.add(tokens(101, 3), lambda: fake_kv(101))  # the first one is read, found too large, not kept
+    fresh.add(tokens(101, 3), reads(fake_kv(101)))  # the first one is read, found too large, not kept
     assert (fresh.num_bytes, len(fresh)) == (0, 0)
     cache.clear()
     assert cache.num_bytes == 0

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine_support import deployed
+from engine_support import deployed, reads
 from training.utils.config import DeploymentConfig
-from training.utils.deploy import Engine
+from training.utils.deploy import Engine, prefix_cache
 from training.utils.deploy.decode import KVBatch, usable_prefix_lengths
 from training.utils.deploy.handle import DeploymentHandle
-from training.utils.deploy.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes, common_prefix
+from training.utils.deploy.prefix_cache import BLOCK_TOKENS, CachedKV, PrefixCache, block_hashes, common_prefix
 from training.utils.model import load_model_and_tokenizer
 from training.utils.rl.telemetry import EngineCounters
 from training.utils.tiny_model import tiny_config
@@ -53,16 +53,20 @@ def fake_kv(n: int, fill: float = 0.0) -> torch.Tensor:
     return torch.full((2, 2, 1, n, 4), fill)
 
 
+def whole(kv: torch.Tensor) -> CachedKV:
+    return CachedKV((kv,), kv.shape[3])
+
+
 # ---------------------------------------------------------------------------- the cache on its own
 
 
 def test_match_is_the_longest_common_prefix_and_leaves_the_last_prompt_token():
     cache = PrefixCache(1000)
     a, b = tokens(40, 0), tokens(40, 1)
-    cache.add(a, lambda: torch.arange(40.0).expand(2, 2, 1, 40)[..., None])
-    cache.add(b, lambda: fake_kv(40))
+    cache.add(a, reads(torch.arange(40.0).expand(2, 2, 1, 40)[..., None]))
+    cache.add(b, reads(fake_kv(40)))
     kv, m = cache.match(a[:35] + tokens(10, 2))  # shares 35 tokens with `a`
-    assert m == 35 and kv.shape[3] == 35 and kv[0, 0, 0, :, 0].tolist() == list(range(35))
+    assert m == kv.length == 35 and torch.cat(kv.pieces, dim=3)[0, 0, 0, :, 0].tolist() == list(range(35))
     assert cache.match(a)[1] == 39, "a whole-prompt hit leaves one token to compute the first logits from"
     assert cache.match(a[:20])[1] == 19
     assert cache.match(a[:BLOCK_TOKENS])[1] == 0, "shorter than a hashed block + 1 token: no hit"
@@ -72,27 +76,74 @@ def test_match_is_the_longest_common_prefix_and_leaves_the_last_prompt_token():
 def test_an_entry_that_extends_others_replaces_them_and_a_covered_one_is_not_copied():
     cache = PrefixCache(1000)
     turn1 = tokens(30, 0)
-    cache.add(turn1, lambda: fake_kv(30))
+    cache.add(turn1, reads(fake_kv(30)))
     turn2 = turn1 + tokens(20, 1)
-    cache.add(turn2, lambda: fake_kv(50))
+    cache.add(turn2, reads(fake_kv(50)))
     assert len(cache) == 1 and cache.num_tokens == 50, "the next turn's entry holds the first turn's tokens"
 
-    def not_read():
+    def not_read(start, end):
         raise AssertionError("keys/values of tokens already held were copied again")
 
     cache.add(turn1 + turn2[30:45], not_read)
     assert len(cache) == 1
 
 
+def test_the_draws_of_one_prompt_hold_its_full_blocks_once_and_each_serves_its_own_keys():
+    """A prompt of 40 tokens (two full blocks and 8 more) and four finished draws of 10 tokens each: the draws
+    share the prompt's two blocks; each keeps its third block (the prompt's last 8 tokens and its first 8) and its
+    last 2 tokens. Each draw's next turn is served its own keys/values, and evicting draws keeps the blocks the
+    others still hold."""
+    prompt = tokens(40, 0)
+    draws = [prompt + tokens(10, 1 + g) for g in range(4)]
+
+    def keys_of(g: int) -> torch.Tensor:  # a key's value: its position, plus 1000 x (draw + 1) after the prompt
+        values = torch.arange(50.0) + torch.where(torch.arange(50) < 40, 0.0, 1000.0 * (g + 1))
+        return values[:, None].expand(2, 2, 1, 50, 4).clone()  # 64 bytes a token, as fake_kv's
+
+    cache = PrefixCache(4 * 50)
+    cache.add(prompt, reads(keys_of(0)[:, :, :, :40]))
+    copied = []
+    for g, draw in enumerate(draws):
+        cache.add(draw, lambda start, end, g=g: copied.append(start) or keys_of(g)[:, :, :, start:end].clone())
+    assert copied == [32, 32, 32, 32], "the prompt's two full blocks were copied once, by the prompt itself"
+    assert len(cache) == 4 and cache.num_tokens == 32 + 4 * (16 + 2), "the prompt's entry is extended by the draws"
+    assert cache.num_bytes == cache.num_tokens * 64
+    for g, draw in enumerate(draws):
+        kv, m = cache.match(draw + tokens(5, 9))
+        assert m == 50 and torch.cat(kv.pieces, dim=3)[0, 0, 0, :, 0].tolist() == keys_of(g)[0, 0, 0, :, 0].tolist()
+    cache.max_tokens = 100
+    cache.add(tokens(40, 20), reads(fake_kv(40, 7.0)))  # 140 tokens: the three oldest draws go, 90 remain
+    assert len(cache) == 2 and cache.num_tokens == 32 + 18 + 40 and cache.num_bytes == cache.num_tokens * 64
+    kv, m = cache.match(draws[3] + [1])
+    assert m == 50 and torch.cat(kv.pieces, dim=3)[0, 0, 0, :, 0].tolist() == keys_of(3)[0, 0, 0, :, 0].tolist()
+    assert cache.match(draws[0] + [1])[1] == 40, "draw 0's own tokens went with it; the prompt stays in draw 3's"
+    cache.max_tokens = 50
+    cache.add(tokens(50, 21), reads(fake_kv(50)))
+    assert (len(cache), cache.num_tokens, cache.match(prompt + [1])) == (1, 50, (None, 0)), "the last user frees them"
+
+
+def test_a_block_key_that_stands_for_other_tokens_is_never_shared(monkeypatch):
+    """Block keys are hashes: should two prefixes' keys collide, the later sequence is not kept rather than
+    served another prefix's keys/values."""
+    monkeypatch.setattr(prefix_cache, "block_hashes", lambda t: [7 + b for b in range(len(t) // BLOCK_TOKENS)])
+    cache = PrefixCache(1000)
+    a, b = tokens(40, 0), tokens(40, 1)
+    cache.add(a, reads(fake_kv(40, 1.0)))
+    cache.add(a[:16] + b[16:], reads(fake_kv(40, 2.0)))  # the first block equal, the second's key taken
+    cache.add(b, reads(fake_kv(40, 3.0)))
+    assert len(cache) == 1 and cache.num_tokens == 40
+    assert cache.match(b + [1]) == (None, 0) and cache.match(a[:16] + b[16:] + [1])[1] == 16
+
+
 def test_least_recently_used_entries_go_first_within_the_token_budget():
     cache = PrefixCache(100)
     a, b, c = tokens(40, 0), tokens(40, 1), tokens(40, 2)
-    cache.add(a, lambda: fake_kv(40))
-    cache.add(b, lambda: fake_kv(40))
+    cache.add(a, reads(fake_kv(40)))
+    cache.add(b, reads(fake_kv(40)))
     assert cache.match(a + [1])[1] == 40  # a is now the most recently used
-    cache.add(c, lambda: fake_kv(40))
+    cache.add(c, reads(fake_kv(40)))
     assert cache.num_tokens == 80 and cache.match(b + [1])[1] == 0 and cache.match(a + [1])[1] == 40
-    cache.add(tokens(101, 3), lambda: fake_kv(101))  # over the whole budget: not kept, nothing evicted
+    cache.add(tokens(101, 3), reads(fake_kv(101)))  # over the whole budget: not kept, nothing evicted
     assert cache.num_tokens == 80
     cache.clear()
     assert (len(cache), cache.num_tokens, cache.match(a + [1])) == (0, 0, (None, 0))
@@ -122,14 +173,14 @@ def test_prefill_after_cached_prefixes_gives_the_full_prefill_logits(tiny):
     with torch.inference_mode():
         full, want = KVBatch.prefill(model, prompts)
         used = usable_prefix_lengths([50, 30, 8], [45, 25, 0])
-        cached = [full.row_kv(0, 50)[:, :, :, : used[0]], full.row_kv(1, 30)[:, :, :, : used[1]], None]
+        cached = [whole(full.row_kv(0, 50, end=used[0])), whole(full.row_kv(1, 30, end=used[1])), None]
         part, got = KVBatch.prefill(model, prompts, cached)
         assert (part.next_pos[:3].tolist(), part.length) == ([50, 30, 8], max(used) + 8)
         assert (got - want).abs().max() < EXACT
         step = torch.tensor([5, 6, 7])
         assert (part.decode(model, step) - full.decode(model, step)).abs().max() < EXACT
         with pytest.raises(ValueError, match="rows with cached tokens need the most"):
-            KVBatch.prefill(model, prompts, [full.row_kv(0, 50)[:, :, :, :45], None, None])
+            KVBatch.prefill(model, prompts, [whole(full.row_kv(0, 50, end=45)), None, None])
 
 
 # ---------------------------------------------------------------------------- the engine

@@ -43,6 +43,8 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from training.utils.deploy.prefix_cache import CachedKV
+
 # Columns added whenever a buffer runs out: large enough that growth is rare, small enough
 # that the spare columns cost little memory next to the live ones.
 _GROW_COLUMNS = 64
@@ -171,18 +173,18 @@ class KVBatch:
 
     @classmethod
     def prefill(
-        cls, model, prompts_P: Sequence[Sequence[int]], cached_P: Sequence[torch.Tensor | None] | None = None
+        cls, model, prompts_P: Sequence[Sequence[int]], cached_P: Sequence[CachedKV | None] | None = None
     ) -> tuple[KVBatch, torch.Tensor]:
         """Run the prompts through the model, left-padded; return the batch and last-token logits (P, V).
 
-        `cached_P[i]`, if given and not None, holds the keys/values (layers, 2, H, m, D) of
-        `prompts_P[i][:m]` (a `PrefixCache` match): only the rest of that prompt is fed, after
+        `cached_P[i]`, if given and not None, holds the keys/values of `prompts_P[i][:m]`, m its
+        `length` (a `PrefixCache` match): only the rest of that prompt is fed, after
         them. Every row with cached tokens must have the same number of tokens left, the most
         of any row, so that no row has padding between its cached and its new tokens:
         `usable_prefix_lengths` says how much of each match that allows.
         """
         cached_P = cached_P if cached_P is not None else [None] * len(prompts_P)
-        reused_P = [0 if kv is None else kv.shape[3] for kv in cached_P]
+        reused_P = [0 if kv is None else kv.length for kv in cached_P]
         new_P = [len(p) - m for p, m in zip(prompts_P, reused_P, strict=True)]
         width = max(new_P)
         if any(m and n != width for m, n in zip(reused_P, new_P)) or min(new_P) < 1:
@@ -223,13 +225,16 @@ class KVBatch:
         batch.mask_buf = _pad_columns(mask, layers[0].keys_buf.shape[2])
         return batch, out.logits[:, -1, :]
 
-    def row_kv(self, row: int, tokens: int) -> torch.Tensor:
-        """A copy of the keys/values of row `row`'s last `tokens` tokens: (layers, 2, H, tokens, D)."""
-        L, first = self.length, self.layers[0].keys_buf
-        out = first.new_empty(len(self.layers), 2, first.shape[1], tokens, first.shape[3])
+    def row_kv(self, row: int, tokens: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """A copy of the keys/values of `tokens[start:end]`, where `tokens` are row `row`'s last ones: (layers, 2,
+        H, end - start, D)."""
+        end = tokens if end is None else end
+        first_column = self.length - tokens
+        first = self.layers[0].keys_buf
+        out = first.new_empty(len(self.layers), 2, first.shape[1], end - start, first.shape[3])
         for i, layer in enumerate(self.layers):
-            out[i, 0] = layer.keys_buf[row, :, L - tokens : L]
-            out[i, 1] = layer.values_buf[row, :, L - tokens : L]
+            out[i, 0] = layer.keys_buf[row, :, first_column + start : first_column + end]
+            out[i, 1] = layer.values_buf[row, :, first_column + start : first_column + end]
         return out
 
     @property
@@ -421,15 +426,15 @@ def usable_prefix_lengths(prompt_lengths: Sequence[int], matched: Sequence[int])
     return [max(0, n - width) for n in prompt_lengths]
 
 
-def _cached_layers(cached_P: Sequence[torch.Tensor | None], past: int, spare: int) -> list[SlotLayer]:
+def _cached_layers(cached_P: Sequence[CachedKV | None], past: int, spare: int) -> list[SlotLayer]:
     """Layers holding each row's cached keys/values right-aligned in the first `past` columns, with `spare`
     columns more for the tokens to feed."""
-    like = next(kv for kv in cached_P if kv is not None)
+    like = next(kv for kv in cached_P if kv is not None).pieces[0]
     layers, _, heads, _, dim = like.shape
     buf = like.new_zeros(layers, 2, len(cached_P), heads, past + spare, dim)
     for row, kv in enumerate(cached_P):
         if kv is not None:
-            buf[:, :, row, :, past - kv.shape[3] : past] = kv
+            kv.copy_to(buf[:, :, row, :, past - kv.length : past])
     return [SlotLayer(buf[i, 0], buf[i, 1], len(cached_P), past) for i in range(layers)]
 
 

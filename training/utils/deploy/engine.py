@@ -33,7 +33,7 @@ from training.utils.deploy.engine_memory import EngineMemory
 from training.utils.deploy.engine_weights import WeightTargets, read_safetensors
 from training.utils.deploy.graphs import decode_steps_for
 from training.utils.deploy.next_token import SamplingParams_B, sample_next
-from training.utils.deploy.prefix_cache import PrefixCache, prefix_cache_bounds
+from training.utils.deploy.prefix_cache import CachedKV, PrefixCache, prefix_cache_bounds
 from training.utils.deploy.sequences import SequenceGroup, SequenceState, make_group, sampling_params
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 from training.utils.memory import kv_bytes_per_token
@@ -361,14 +361,14 @@ class Engine:
                                 [seq for seq in admitted if seq.group in members])
 
     def _prefill_chunk(
-        self, groups_U: list[list[SequenceGroup]], matches_U: list[tuple[torch.Tensor | None, int]],
+        self, groups_U: list[list[SequenceGroup]], matches_U: list[tuple[CachedKV | None, int]],
         admitted: list[SequenceState],
     ) -> None:
         """Prefill distinct prompts in one forward (`groups_U`: the requests of each, `matches_U`: its cached
         prefix); append `admitted` (their sequences) to the batch."""
         prompts = [gs[0].prompt_ids for gs in groups_U]
         used = usable_prefix_lengths([len(p) for p in prompts], [m for _, m in matches_U])
-        cached = [kv[:, :, :, :u] if u else None for (kv, _), u in zip(matches_U, used)]
+        cached = [kv.head(u) if u else None for (kv, _), u in zip(matches_U, used)]
         new, logits_P = KVBatch.prefill(self.model, prompts, cached)
         self.stats["prefills"] += 1
         self._count_prompt_tokens(prompts, groups_U, used)

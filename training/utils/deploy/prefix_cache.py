@@ -8,9 +8,12 @@ any entry is the match. The engine adds every prompt it prefilled and every sequ
 finished on the weights it started on, and empties the cache at each weight update: a token is
 never sampled from keys/values of older weights (docs/engine-decode-loop.md: Prefix cache).
 
-Entries are found through chained hashes of their 16-token blocks (as vLLM's block hashes), so a
-lookup costs one hash per prompt block, not a comparison with every entry; the last partial
-block is compared token by token. A prompt shorter than one block never hits.
+Entries hold their keys/values as 16-token blocks, each keyed by a chained hash of every token up
+to its end (as vLLM's block hashes), and entries with a common prefix share its blocks: the G
+finished draws of a row hold their prompt once, and a CLI agent's sessions their system prompt
+once. So the byte bound counts each block once, and a lookup costs one hash per prompt block, not
+a comparison with every entry. An entry's last partial block is its own; a prompt shorter than
+one block never hits.
 """
 
 from __future__ import annotations
@@ -24,18 +27,43 @@ import numpy as np
 import torch
 
 BLOCK_TOKENS = 16
-"""Tokens per hashed block: entries shorter than this are not kept."""
+"""Tokens per shared, hashed block: entries shorter than this are not kept."""
 
 CONTEXTS_KEPT = 4
-"""Full-context prompts the default cache holds (`deployment.prefix_cache_tokens=None`). An entry is never shared
-with another (a row's G finished draws are G entries, each its whole prompt), and a prompt longer than the budget
-is never kept, so a budget below one context would serve nothing to an agent whose prompts approach it; with room
-for a few, a row's later draws and each session's next turn find their prefix even while other rows' prompts
-come and go. Memory is spent only on what is cached: a step of short prompts fills little of it."""
+"""Full-context prompts the default cache holds (`deployment.prefix_cache_tokens=None`). A prompt longer than the
+budget is never kept, so a budget below one context would serve nothing to an agent whose prompts approach it;
+with room for a few, a row's later draws and each session's next turn find their prefix even while other rows'
+prompts come and go. Memory is spent only on what is cached: a step of short prompts fills little of it."""
 
 DEFAULT_MAX_BYTES = 512 << 20
 """Bytes the default cache holds at most (`deployment.prefix_cache_bytes=None`, whose docstring says why), unless
 one context's keys/values take more: then that, so the longest prompt still fits."""
+
+
+@dataclass(frozen=True)
+class CachedKV:
+    """Keys/values of a cached prefix of `length` tokens, as the pieces that hold them in order: (layers, 2, H,
+    n_i, D) each, shared with the cache (read, never write)."""
+
+    pieces: tuple[torch.Tensor, ...]
+    length: int
+
+    def head(self, tokens: int) -> CachedKV:
+        """Its first `tokens` tokens."""
+        pieces, left = [], tokens
+        for piece in self.pieces:
+            if left <= 0:
+                break
+            pieces.append(piece[:, :, :, :left])
+            left -= piece.shape[3]
+        return CachedKV(tuple(pieces), min(tokens, self.length))
+
+    def copy_to(self, out: torch.Tensor) -> None:
+        """Write them into `out`, (layers, 2, H, length, D)."""
+        start = 0
+        for piece in self.pieces:
+            out[:, :, :, start : start + piece.shape[3]] = piece
+            start += piece.shape[3]
 
 
 def prefix_cache_bounds(tokens: int | None, max_bytes: int | None, context_tokens: int,
@@ -49,10 +77,18 @@ def prefix_cache_bounds(tokens: int | None, max_bytes: int | None, context_token
 
 
 @dataclass(eq=False)
+class _Block:
+    parent: int  # the key of the block before it (0 for the first): with `tokens`, what its key stands for
+    tokens: tuple[int, ...]  # its BLOCK_TOKENS token ids
+    kv: torch.Tensor  # (layers, 2, H, BLOCK_TOKENS, D)
+    users: int = 0  # entries holding it; it is freed with the last
+
+
+@dataclass(eq=False)
 class _Entry:
     tokens: np.ndarray  # (n,) int64
-    kv: torch.Tensor  # (layers, 2, H, n, D): keys and values of `tokens`, positions 0..n-1
-    hashes: list[int]  # chained hash of each full block
+    hashes: list[int]  # the keys of its full blocks, in order
+    tail: torch.Tensor | None  # (layers, 2, H, n % BLOCK_TOKENS, D): its own, after the last full block
 
 
 def block_hashes(tokens: Sequence[int]) -> list[int]:
@@ -74,7 +110,7 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 class PrefixCache:
     """Keys/values of token sequences, at most `max_tokens` tokens and `max_bytes` bytes in all (None: no byte
-    bound), least recently used evicted first.
+    bound; a block shared by several entries counts once), least recently used entries evicted first.
 
     Owned by the engine thread (not thread-safe); `num_bytes` and `take_most_bytes` may be used from any thread.
     """
@@ -83,22 +119,24 @@ class PrefixCache:
         self.max_tokens = int(max_tokens)
         self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.num_tokens = 0
+        """Tokens whose keys/values are held, a shared block's once."""
         self.num_bytes = 0
-        """Bytes of the keys/values held, counted as entries come and go (one int: a read from another thread is
+        """Bytes of the keys/values held, counted as blocks come and go (one int: a read from another thread is
         whole)."""
         self._most_bytes = 0  # the most `num_bytes` since `take_most_bytes` last read it
         self._token_bytes = 0  # keys/values of one token, known from the first entry: skips copying what cannot fit
+        self._blocks: dict[int, _Block] = {}  # block key -> the block, whichever entries hold it
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
-        self._by_block: dict[int, set[int]] = {}  # block hash -> entries holding that prefix
-        self._by_end: dict[int, set[int]] = {}  # hash of an entry's last full block -> those entries
+        self._by_block: dict[int, set[int]] = {}  # block key -> entries holding that prefix
+        self._by_end: dict[int, set[int]] = {}  # key of an entry's last full block -> those entries
         self._ids = itertools.count()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, prompt: Sequence[int]) -> tuple[torch.Tensor | None, int]:
-        """(keys/values (layers, 2, H, m, D) of prompt[:m], m) for the longest cached m < len(prompt); (None, 0)
-        without a hit. At most len(prompt) - 1: the last prompt token's forward gives the first token's logits."""
+    def match(self, prompt: Sequence[int]) -> tuple[CachedKV | None, int]:
+        """(keys/values of prompt[:m], m) for the longest cached m < len(prompt); (None, 0) without a hit. At most
+        len(prompt) - 1: the last prompt token's forward gives the first token's logits."""
         limit = len(prompt) - 1
         deepest = None
         for h in block_hashes(prompt[:limit]):
@@ -113,12 +151,15 @@ class PrefixCache:
         if length == 0:  # only a hash collision matched
             return None, 0
         self._entries.move_to_end(best)
-        return self._entries[best].kv[:, :, :, :length], length
+        entry = self._entries[best]
+        pieces = [self._blocks[h].kv for h in entry.hashes] + ([entry.tail] if entry.tail is not None else [])
+        return CachedKV(tuple(pieces), len(entry.tokens)).head(length), length
 
-    def add(self, tokens: Sequence[int], read_kv: Callable[[], torch.Tensor]) -> None:
-        """Keep the keys/values of `tokens`, (layers, 2, H, len(tokens), D), which `read_kv()` copies out (called
-        only if they are kept: not when an entry holds them already); entries that `tokens` extends are dropped.
-        A sequence longer than either bound is not kept, and evicts nothing."""
+    def add(self, tokens: Sequence[int], read_kv: Callable[[int, int], torch.Tensor]) -> None:
+        """Keep the keys/values of `tokens`; `read_kv(start, end)` copies out those of tokens[start:end], (layers,
+        2, H, end - start, D), and is called only for blocks no entry holds yet. Entries that `tokens` extends are
+        dropped; an entry that holds all of `tokens` is only marked used. A sequence longer than either bound is
+        not kept and evicts nothing, and neither is one whose block key another block holds for other tokens."""
         if not BLOCK_TOKENS <= len(tokens) <= self.max_tokens or not self._fits(len(tokens) * self._token_bytes):
             return
         array = np.asarray(tokens, dtype=np.int64)
@@ -127,23 +168,37 @@ class PrefixCache:
             if common_prefix(self._entries[eid].tokens, array) == len(array):
                 self._entries.move_to_end(eid)  # one of them already holds all of `tokens`
                 return
-        kv = read_kv()
-        self._token_bytes = kv.nbytes // len(array)
-        if not self._fits(kv.nbytes):
+        spans = [tuple(int(t) for t in tokens[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS]) for b in range(len(hashes))]
+        parents = [0, *hashes[:-1]]
+        if any((block := self._blocks.get(h)) is not None and (block.parent, block.tokens) != (parent, span)
+               for h, parent, span in zip(hashes, parents, spans)):
+            return  # a hash collision: another prefix's keys/values must not stand for ours
+        new = [b for b, h in enumerate(hashes) if h not in self._blocks]
+        full = len(hashes) * BLOCK_TOKENS
+        first = new[0] * BLOCK_TOKENS if new else full  # copied from the first block no entry holds on
+        kv = read_kv(first, len(array)) if first < len(array) else None
+        if kv is not None:
+            self._token_bytes = kv.nbytes // kv.shape[3]
+        if not self._fits(len(array) * self._token_bytes):
             return
-        for eid in {eid for h in hashes for eid in self._by_end.get(h, ())}:  # entries that may be our prefixes
-            entry = self._entries[eid]
-            if common_prefix(entry.tokens, array) == len(entry.tokens):
-                self._remove(eid)
+        for b in new:  # each its own copy, so a block outlives the entry that brought it alone
+            start = b * BLOCK_TOKENS - first
+            self._blocks[hashes[b]] = _Block(parents[b], spans[b], kv[:, :, :, start : start + BLOCK_TOKENS].clone())
+            self._count(BLOCK_TOKENS, self._blocks[hashes[b]].kv.nbytes)
+        tail = None if len(array) == full else kv if first == full else kv[:, :, :, full - first :].clone()
+        if tail is not None:
+            self._count(tail.shape[3], tail.nbytes)
         eid = next(self._ids)
-        self._entries[eid] = _Entry(array, kv, hashes)
+        self._entries[eid] = _Entry(array, hashes, tail)
         for h in hashes:
+            self._blocks[h].users += 1
             self._by_block.setdefault(h, set()).add(eid)
         self._by_end.setdefault(hashes[-1], set()).add(eid)
-        self.num_tokens += len(array)
-        self.num_bytes += kv.nbytes
+        for other in {other for h in hashes for other in self._by_end.get(h, ())} - {eid}:  # may be our prefixes
+            if common_prefix(self._entries[other].tokens, array) == len(self._entries[other].tokens):
+                self._remove(other)  # its blocks stay: ours hold them too
         while self.num_tokens > self.max_tokens or not self._fits(self.num_bytes):
-            self._remove(next(iter(self._entries)))
+            self._remove(next(iter(self._entries)))  # never the new entry: it fits alone, so it is never reached
         self._most_bytes = max(self._most_bytes, self.num_bytes)
 
     def take_most_bytes(self) -> int:
@@ -154,6 +209,7 @@ class PrefixCache:
         return most
 
     def clear(self) -> None:
+        self._blocks.clear()
         self._entries.clear()
         self._by_block.clear()
         self._by_end.clear()
@@ -163,13 +219,22 @@ class PrefixCache:
     def _fits(self, nbytes: int) -> bool:
         return self.max_bytes is None or nbytes <= self.max_bytes
 
+    def _count(self, tokens: int, nbytes: int) -> None:
+        self.num_tokens += tokens
+        self.num_bytes += nbytes
+
     def _remove(self, eid: int) -> None:
         entry = self._entries.pop(eid)
         for h in entry.hashes:
             _discard(self._by_block, h, eid)
+            block = self._blocks[h]
+            block.users -= 1
+            if not block.users:
+                del self._blocks[h]
+                self._count(-BLOCK_TOKENS, -block.kv.nbytes)
         _discard(self._by_end, entry.hashes[-1], eid)
-        self.num_tokens -= len(entry.tokens)
-        self.num_bytes -= entry.kv.nbytes
+        if entry.tail is not None:
+            self._count(-entry.tail.shape[3], -entry.tail.nbytes)
 
 
 def _discard(index: dict[int, set[int]], key: int, eid: int) -> None:
