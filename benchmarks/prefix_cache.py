@@ -1,12 +1,14 @@
-"""Engine prefill tokens per RL step with the prefix cache and without it, on the examples' own rollouts.
+"""Engine prefill tokens per RL step without the prefix cache, with the default one, and with no byte bound, on
+the examples' own rollouts.
 
 A step samples P rows x G draws through the example's `rollout_fn`, all at once, against the embedded
 deployment (what a synchronous step sends; the async recipe sends the same requests, overlapped with
 training), then syncs the weights back, which empties the cache as a real step's sync does. The
 trainer is left out: it does not change what the engine prefills. Printed per example: per-step
 `perf/prompt_tokens`, `perf/engine_prefill_tokens` and `perf/prefix_cache_hit_tokens` (what the RL
-loop logs, `rl/telemetry.py: EngineCounters`), prefill and decode seconds, and the ratio of prefill
-tokens without the cache to with it.
+loop logs, `rl/telemetry.py: EngineCounters`), the most bytes the cache held (`mem/prefix_cache`), prefill and
+decode seconds, and the ratios of prefill tokens: without the cache to the default, and the default to no byte
+bound (what `deployment.prefix_cache_bytes` costs in prefill).
 
     python benchmarks/prefix_cache.py                                    # both examples, 2 steps each
     python benchmarks/prefix_cache.py --examples multi_turn --steps 3
@@ -63,7 +65,8 @@ async def sample_steps(cfg: RLConfig, model, tokenizer, rows, make_rollout_fn, e
             start = time.perf_counter()
             await asyncio.gather(*[rollout_fn(row) for row in batch for _ in range(G)])
             seconds = time.perf_counter() - start
-            per_step.append(counters.step_metrics(deployment) | {"sampling_time": seconds})
+            per_step.append(counters.step_metrics(deployment) | {"sampling_time": seconds,
+                            "prefix_cache_mib": deployment.memory_stats().get("prefix_cache", 0) / 2**20})
             await deployment.weight_sync.sync(model.state_dict(), version=step)
     finally:
         await deployment.close()
@@ -80,24 +83,29 @@ def compare(name: str, model_name: str | None, steps: int, random_init: bool = F
         raise SystemExit(f"{name}: its rows hold the example model's token ids, outside {cfg.model}'s vocabulary of "
                          f"{vocab}; run this example with a model of that tokenizer, or --examples multi_turn")
     result = {}
-    for label, budget in (("without", 0), ("with", cfg.deployment.prefix_cache_tokens)):
-        deployment = cfg.deployment.model_copy(update={"prefix_cache_tokens": budget})
+    for label, bounds in ARMS.items():
+        deployment = cfg.deployment.model_copy(update=bounds)
         run_cfg = cfg.model_copy(update={"deployment": deployment})
         result[label] = asyncio.run(sample_steps(run_cfg, model, tokenizer, rows, make_rollout_fn, extras, steps))
-    prefill = {label: sum(s["perf/engine_prefill_tokens"] for s in result[label]) for label in result}
-    result["prefill_ratio"] = prefill["without"] / max(prefill["with"], 1.0)
+    prefill = {label: sum(s["perf/engine_prefill_tokens"] for s in result[label]) for label in ARMS}
+    result["ratios"] = {"off / default": prefill["off"] / max(prefill["default"], 1.0),
+                        "default / no byte bound": prefill["default"] / max(prefill["no byte bound"], 1.0)}
     return result
 
 
+ARMS = {"off": {"prefix_cache_tokens": 0}, "default": {}, "no byte bound": {"prefix_cache_bytes": 1 << 50}}
+"""The deployment settings each arm changes from the example's."""
+
+
 def print_table(name: str, result: dict) -> None:
-    print(f"\n{name}: per step, without the cache | with it")
-    keys = ["perf/prompt_tokens", "perf/engine_prefill_tokens", "perf/prefix_cache_hit_tokens",
+    print(f"\n{name}: per step, {' | '.join(ARMS)}")
+    keys = ["perf/prompt_tokens", "perf/engine_prefill_tokens", "perf/prefix_cache_hit_tokens", "prefix_cache_mib",
             "perf/engine_prefill_time", "perf/engine_decode_time", "sampling_time"]
-    for i, (without, with_) in enumerate(zip(result["without"], result["with"], strict=True), start=1):
-        cells = "  ".join(f"{k.removeprefix('perf/')} {without[k]:.0f} | {with_[k]:.0f}" if "tokens" in k
-                          else f"{k.removeprefix('perf/')} {without[k]:.1f}s | {with_[k]:.1f}s" for k in keys)
+    for i, arms in enumerate(zip(*(result[label] for label in ARMS), strict=True), start=1):
+        cells = "  ".join(f"{k.removeprefix('perf/')} " + " | ".join(
+            f"{arm[k]:.0f}" if "tokens" in k or "mib" in k else f"{arm[k]:.1f}s" for arm in arms) for k in keys)
         print(f"  step {i}: {cells}")
-    print(f"  prefill tokens without / with the cache: {result['prefill_ratio']:.2f}x")
+    print("  prefill tokens: " + ", ".join(f"{ratio} {value:.2f}x" for ratio, value in result["ratios"].items()))
 
 
 def main() -> None:

@@ -88,7 +88,8 @@ class DeploymentConfig(StrictModel):
     prefix_cache_tokens: int | None = Field(None, ge=0)
     """Tokens of keys/values the embedded engine keeps from recently prefilled prompts and finished sequences, so
     a prompt that starts with them (the G draws of one row, the next turn of a chat) prefills only the rest; least
-    recently used first out, emptied at every weight update; 0 turns it off. None: four prompts of the context
+    recently used first out, emptied at every weight update; 0 turns it off. Entries share the blocks of a common
+    prefix (a row's draws, an agent's system prompt), counted once. None: four prompts of the context
     served (4 x `max_context_tokens`). A prompt longer than the budget is never kept, and an agent's prompts are
     long (a CLI agent's system prompt and tool schemas alone run to 7k-20k tokens), so the default scales with
     the longest prompt the deployment can be sent, with room for a few rows and sessions at once. Only what is
