@@ -17,7 +17,7 @@ SCRIPTS = {
     "sampler_throughput": (["--model", "tiny-random", "--requests", "4", "--max-tokens", "8"],
                            "ratio engine/generate"),
     "prefix_cache": (["--examples", "multi_turn", "--model", "tiny-random", "--steps", "1"],
-                     "prefill tokens without / with the cache"),
+                     "prefill tokens: off / default"),
     "async_vs_sync": (["--steps", "3", "--hidden", "64", "--layers", "2", "--only", "rl_loop", "async O=1"],
                       "reward per step"),
     "trainer_throughput": (["--model", "tiny-random", "--batch", "4", "--seq-len", "64", "--steps", "1",
