@@ -181,7 +181,7 @@ class PrefixCache:
             self._token_bytes = kv.nbytes // kv.shape[3]
         if not self._fits(len(array) * self._token_bytes):
             return
-        for b in new:  # each its own copy, so a block outlives the entry that brought it alone
+        for b in new:  # each its own storage: a view would keep all of `kv` alive while any block of it lives
             start = b * BLOCK_TOKENS - first
             self._blocks[hashes[b]] = _Block(parents[b], spans[b], kv[:, :, :, start : start + BLOCK_TOKENS].clone())
             self._count(BLOCK_TOKENS, self._blocks[hashes[b]].kv.nbytes)
