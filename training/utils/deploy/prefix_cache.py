@@ -80,8 +80,7 @@ def prefix_cache_bounds(tokens: int | None, max_bytes: int | None, context_token
 class _Block:
     parent: int  # the key of the block before it (0 for the first): with `tokens`, what its key stands for
     tokens: tuple[int, ...]  # its BLOCK_TOKENS token ids
-    kv: torch.Tensor  # (layers, 2, H, BLOCK_TOKENS, D)
-    users: int = 0  # entries holding it; it is freed with the last
+    kv: torch.Tensor  # (layers, 2, H, BLOCK_TOKENS, D); freed with the last entry holding it (`_by_block`)
 
 
 @dataclass(eq=False)
@@ -125,9 +124,9 @@ class PrefixCache:
         whole)."""
         self._most_bytes = 0  # the most `num_bytes` since `take_most_bytes` last read it
         self._token_bytes = 0  # keys/values of one token, known from the first entry: skips copying what cannot fit
-        self._blocks: dict[int, _Block] = {}  # block key -> the block, whichever entries hold it
+        self._blocks: dict[int, _Block] = {}  # block key -> the block, while `_by_block` names entries holding it
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
-        self._by_block: dict[int, set[int]] = {}  # block key -> entries holding that prefix
+        self._by_block: dict[int, set[int]] = {}  # block key -> entries holding that prefix (never empty)
         self._by_end: dict[int, set[int]] = {}  # key of an entry's last full block -> those entries
         self._ids = itertools.count()
 
@@ -168,7 +167,7 @@ class PrefixCache:
             if common_prefix(self._entries[eid].tokens, array) == len(array):
                 self._entries.move_to_end(eid)  # one of them already holds all of `tokens`
                 return
-        spans = [tuple(int(t) for t in tokens[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS]) for b in range(len(hashes))]
+        spans = [tuple(array[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS].tolist()) for b in range(len(hashes))]
         parents = [0, *hashes[:-1]]
         if any((block := self._blocks.get(h)) is not None and (block.parent, block.tokens) != (parent, span)
                for h, parent, span in zip(hashes, parents, spans)):
@@ -191,7 +190,6 @@ class PrefixCache:
         eid = next(self._ids)
         self._entries[eid] = _Entry(array, hashes, tail)
         for h in hashes:
-            self._blocks[h].users += 1
             self._by_block.setdefault(h, set()).add(eid)
         self._by_end.setdefault(hashes[-1], set()).add(eid)
         for other in {other for h in hashes for other in self._by_end.get(h, ())} - {eid}:  # may be our prefixes
@@ -227,11 +225,8 @@ class PrefixCache:
         entry = self._entries.pop(eid)
         for h in entry.hashes:
             _discard(self._by_block, h, eid)
-            block = self._blocks[h]
-            block.users -= 1
-            if not block.users:
-                del self._blocks[h]
-                self._count(-BLOCK_TOKENS, -block.kv.nbytes)
+            if h not in self._by_block:  # its last entry
+                self._count(-BLOCK_TOKENS, -self._blocks.pop(h).kv.nbytes)
         _discard(self._by_end, entry.hashes[-1], eid)
         if entry.tail is not None:
             self._count(-entry.tail.shape[3], -entry.tail.nbytes)
