@@ -29,7 +29,7 @@ CONTEXT_TOKENS = 131_072
 
 VERSIONS = {
     "claude": "2.1.332",
-    "codex": "0.169.0",
+    "codex": "0.171.0",
     "qwen": "0.24.4",
     "opencode": "1.18.33",
 }
