@@ -33,8 +33,8 @@ VERSIONS = {
     "qwen": "0.24.4",
     "opencode": "1.18.33",
 }
-"""The newest of each on npm when the tier was written (`npm view <package> version`); bump them together with
-a run of the tier."""
+"""The newest of each on npm when last checked (`npm view <package> version`); bump them together with a run of
+the tier."""
 INSTALL_TIMEOUT_S = 900.0
 _COMPLETE = ".complete"
 
