@@ -73,6 +73,10 @@ async def sample_steps(cfg: RLConfig, model, tokenizer, rows, make_rollout_fn, e
     return per_step
 
 
+ARMS = {"off": {"prefix_cache_tokens": 0}, "default": {}, "no byte bound": {"prefix_cache_bytes": 1 << 50}}
+"""The deployment settings each arm changes from the example's."""
+
+
 def compare(name: str, model_name: str | None, steps: int, random_init: bool = False) -> dict:
     cfg, rows, make_rollout_fn, extras = EXAMPLES[name]()
     if model_name:
@@ -91,10 +95,6 @@ def compare(name: str, model_name: str | None, steps: int, random_init: bool = F
     result["ratios"] = {"off / default": prefill["off"] / max(prefill["default"], 1.0),
                         "default / no byte bound": prefill["default"] / max(prefill["no byte bound"], 1.0)}
     return result
-
-
-ARMS = {"off": {"prefix_cache_tokens": 0}, "default": {}, "no byte bound": {"prefix_cache_bytes": 1 << 50}}
-"""The deployment settings each arm changes from the example's."""
 
 
 def print_table(name: str, result: dict) -> None:
