@@ -6,7 +6,9 @@ Each optimizer step is `forward_backward` + `optim_step` over RL-shaped datums (
   (context), the rest trained; no two datums share a prompt;
 - main-job: groups of `--group-size` draws of one 46-token prompt, 4-12 sampled tokens each (the
   README's main job: SmolLM2-135M-Instruct, 8 prompts x 8 draws per step);
-- trl: groups of draws of one 47-token prompt, 24 sampled tokens each (TRL's GRPO quickstart shape).
+- trl: groups of draws of one 47-token prompt, 24 sampled tokens each (TRL's GRPO quickstart shape);
+- multi-turn: groups of draws of one 210-token prompt, 14-106 trained tokens each (`multi_turn_message_in`'s
+  first step: a prompt of 208-215 tokens, then two turns and the feedback between them).
 Every layout trains the same datums on the same model, one after the other:
 - padded: length-bucketed micro-batches, right-padded to their longest datum (`share_prefixes="off"`);
 - packed: `TrainerConfig.pack_sequences`, datums end to end in one row per micro-batch;
@@ -58,7 +60,7 @@ SHAPES = {
                      num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False, rope_theta=10000.0,
                      max_position_embeddings=8192),
 }
-GROUPED_WORKLOADS = {"main-job": (46, 4, 12), "trl": (47, 24, 24)}
+GROUPED_WORKLOADS = {"main-job": (46, 4, 12), "trl": (47, 24, 24), "multi-turn": (210, 14, 106)}
 """Workloads of groups: (prompt tokens, fewest and most sampled tokens of a draw)."""
 LAYOUTS = {"padded": dict(share_prefixes="off"), "packed": dict(share_prefixes="off", pack_sequences=True),
            "shared": dict(share_prefixes="on")}
