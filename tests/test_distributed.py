@@ -50,14 +50,16 @@ def make_policy(seed: int = 0):
 
 
 def make_lora_policy(seed: int = 0):
-    """A LoRA policy (rank 4) on the same tiny model; a high learning rate so the adapters move."""
+    """A LoRA policy (rank 4) on the same tiny model, checkpointed (so the frozen base matmul that skips its
+    recomputation runs on sharded parameters too); a high learning rate so the adapters move."""
     from training.utils.model import load_model_and_tokenizer
     from training.utils.tiny_model import tiny_config
     from training.utils.trainer import Trainer
 
     torch.manual_seed(seed)
     model, _ = load_model_and_tokenizer(tiny_config(VOCAB), device="cpu")
-    cfg = rl_cfg().trainer.model_copy(update={"total_steps": 100, "lora_rank": 4, "learning_rate": 1e-2})
+    cfg = rl_cfg().trainer.model_copy(update={"total_steps": 100, "lora_rank": 4, "learning_rate": 1e-2,
+                                                   "gradient_checkpointing": True})
     return Trainer(model, cfg)
 
 

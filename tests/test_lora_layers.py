@@ -1,6 +1,7 @@
 """The trainer's LoRA layer (`lora_layers.AddedLoraLinear`): the adapter added into the base output in place computes
 what peft's layer computes, forward and backward, in float32 and under bf16 autocast, and hands every other case
-(adapters disabled, merged, dropout, a float32 adapter over a bfloat16 base) to peft."""
+(adapters disabled, merged, dropout, a float32 adapter over a bfloat16 base) to peft; and under checkpointing its
+frozen base matmul is not recomputed where it ends a layer."""
 
 import copy
 import shutil
@@ -162,3 +163,44 @@ def test_compiled_layers_trace_the_in_place_sum():
         if want.requires_grad:
             assert float(want.grad.abs().max()) > 0, name
             torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_a_checkpointed_layer_recomputes_every_projection_but_the_last_base_matmul():
+    """Under checkpointing the backward reruns each layer's forward only until the last tensor the layer saved is
+    rebuilt. The frozen base of `down_proj` comes last and saves nothing, so it is not rerun: its weight is read once
+    in the backward (for the gradient reaching its input), where `q_proj`'s is read twice (rerun, then gradient)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from training.utils.trainer.activation_checkpointing import enable_activation_checkpointing
+
+    MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default}
+
+    class CountWeightReads(TorchDispatchMode):
+        def __init__(self, weights):
+            super().__init__()
+            self.reads = {name: 0 for name in weights}
+            self.pointers = {w.untyped_storage().data_ptr(): name for name, w in weights.items()}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for arg in args if func in MATMULS else ():
+                if isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() in self.pointers:
+                    self.reads[self.pointers[arg.untyped_storage().data_ptr()]] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = lora_model()
+    plain_logits, plain_grads = run(model, TOKENS)
+    enable_activation_checkpointing(model)
+    model.train()
+    layers = model.base_model.model.model.layers
+    weights = {f"{name}{i}": getattr(layer.mlp if name == "down_proj" else layer.self_attn, name).base_layer.weight
+               for i, layer in enumerate(layers) for name in ("q_proj", "down_proj")}
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=TOKENS).logits.float().logsumexp(-1).sum()
+    counter = CountWeightReads(weights)
+    with counter:
+        loss.backward()
+    for i in range(len(layers)):
+        assert counter.reads[f"q_proj{i}"] == 2 and counter.reads[f"down_proj{i}"] == 1, counter.reads
+    checkpointed_grads = adapter_grads(model)
+    for name, grad in plain_grads.items():  # and the gradients are those of the unchecked model
+        torch.testing.assert_close(checkpointed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -24,9 +24,11 @@ def plain_linear_adapter(layer: PeftLinear) -> bool:
 
 
 class AddedLoraLinear(PeftLinear):
-    """peft's LoRA linear with a forward that adds the adapter in place: `y = x·Wᵀ + b`, then
-    `y += scaling·(dropout(x)·Aᵀ)·Bᵀ` by one `addmm_`; the gradient of `y` reaches `A` and `B` without the two
-    output-sized tensors peft's sum makes.
+    """peft's LoRA linear with a forward that sums in place: `y = (scaling·dropout(x)·Aᵀ)·Bᵀ`, then
+    `y += x·Wᵀ + b` by one `addmm_` (`AddFrozenLinear`, which keeps no tensor for the backward, so that a checkpointed
+    layer does not recompute the base of its last projection); the gradient of `y` reaches `A` and `B` without the
+    two output-sized tensors peft's sum makes. Where the base trains, or without gradients, the base comes first and
+    the adapter's product is added into it.
 
     `training.utils.lora.wrap_with_lora` gives every plain one-adapter linear this class. Everything else is peft's:
     the parameters and their names, the state dict, merging, saving, disabling; and the forward itself whenever it is
@@ -43,10 +45,38 @@ class AddedLoraLinear(PeftLinear):
         if not (one_dtype or torch.is_autocast_enabled(x.device.type)):
             return super().forward(x)
         rows = x.reshape(-1, x.shape[-1])
-        out = self.base_layer(rows)  # 2-D, so the in-place sum is on a tensor of its own, not on a view
-        hidden = torch.nn.functional.linear(self.lora_dropout[ADAPTER](rows), lora_A)
-        out.addmm_(hidden, lora_B.t().to(out.dtype), alpha=self.scaling[ADAPTER])
+        base = self.base_layer
+        if not torch.is_grad_enabled() or any(p.requires_grad for p in base.parameters(recurse=False)):
+            out = base(rows)  # 2-D, so the in-place sum is on a tensor of its own, not on a view
+            hidden = torch.nn.functional.linear(self.lora_dropout[ADAPTER](rows), lora_A)
+            out.addmm_(hidden, lora_B.t().to(out.dtype), alpha=self.scaling[ADAPTER])
+        else:  # the frozen base last, saving nothing: a checkpointed layer's recomputation stops before it
+            hidden = torch.nn.functional.linear(self.lora_dropout[ADAPTER](rows), lora_A) * self.scaling[ADAPTER]
+            out = AddFrozenLinear.apply(torch.mm(hidden, lora_B.t().to(hidden.dtype)), rows, base.weight, base.bias)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class AddFrozenLinear(torch.autograd.Function):
+    """`out + x·Wᵀ + b` into `out`, in place, for a frozen `W` and `b`, keeping no tensor for the backward.
+
+    The gradient reaching `x` is `grad·W`, which needs the weight but not `x`; holding the weight by reference
+    (a parameter, alive anyway) instead of as a saved tensor means this op saves nothing. Under non-reentrant
+    checkpointing the backward's recomputation stops once it has rebuilt the last tensor the layer saved, so a
+    decoder layer whose last projection ends with this skips that projection's base matmul when it recomputes.
+    Under autocast the matmuls run in autocast's dtype, as `F.linear`'s would.
+    """
+
+    @staticmethod
+    def forward(ctx, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.weight = weight
+        ctx.mark_dirty(out)
+        out.addmm_(x.to(out.dtype), weight.t().to(out.dtype))
+        return out if bias is None else out.add_(bias.to(out.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad_x = grad.matmul(ctx.weight.to(grad.dtype)) if ctx.needs_input_grad[1] else None
+        return grad, grad_x, None, None
 
 
 def use_peft_forward(model: torch.nn.Module) -> None:
