@@ -55,8 +55,9 @@ class TrainerConfig(StrictModel):
     numerics as the policy."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory: each decoder layer keeps its input and its
-    attention kernel's output (sdpa's fused kernels), and recomputes its projections, norms and MLP. Costs one
-    more forward of those per micro-batch (`trainer/activation_checkpointing.py`)."""
+    attention kernel's output (sdpa's fused kernels), and recomputes its projections, norms and MLP (with LoRA,
+    all but the frozen base of the last projection). Costs one more forward of those per micro-batch
+    (`trainer/activation_checkpointing.py`)."""
     recompute_attention: bool = False
     """With `gradient_checkpointing` (set, or turned on by `memory_budget_gib`), recompute each layer's attention
     too instead of keeping its output: the least memory (each layer's input only), for one more attention forward

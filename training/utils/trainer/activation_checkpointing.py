@@ -6,7 +6,9 @@ small to keep (a vector of heads x head dim a token, the hidden size on most mod
 what the kernel's backward reads), while computing it costs the square of the row: on the shared-prefix rows of a
 multi-turn run, where the dense mask makes the kernel compute every pair of a row, attention was a quarter of a LoRA
 step (benchmarks/RESULTS.md). So the recomputation returns the kept output instead (torch's selective activation
-checkpointing) and reruns only the projections, norms and MLP. Gradients are the same bits either way.
+checkpointing) and reruns only the projections, norms and MLP. Gradients are the same bits either way. A
+recomputation also stops once the last tensor the layer saved is rebuilt: with LoRA adapters, the base matmul of
+the layer's last projection saves nothing (`lora_layers.AddFrozenLinear`) and is not rerun.
 
 Only attention that reaches one of sdpa's fused kernels (`KEPT_ATTENTION_OPS`) is kept. Anything else (the bf16
 short-row path of `cpu_attention`, `eager` attention, sdpa's math fallback, which decomposes into plain matmuls) is
