@@ -204,3 +204,12 @@ def test_a_checkpointed_layer_recomputes_every_projection_but_the_last_base_matm
     checkpointed_grads = adapter_grads(model)
     for name, grad in plain_grads.items():  # and the gradients are those of the unchecked model
         torch.testing.assert_close(checkpointed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_base_weight_written_between_forward_and_backward_raises():
+    model = lora_model()
+    loss = model(input_ids=TOKENS).logits.float().logsumexp(-1).sum()
+    with torch.no_grad():
+        model.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match="frozen LoRA base weight of shape .* modified in place"):
+        loss.backward()

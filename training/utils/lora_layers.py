@@ -63,18 +63,22 @@ class AddFrozenLinear(torch.autograd.Function):
     (a parameter, alive anyway) instead of as a saved tensor means this op saves nothing. Under non-reentrant
     checkpointing the backward's recomputation stops once it has rebuilt the last tensor the layer saved, so a
     decoder layer whose last projection ends with this skips that projection's base matmul when it recomputes.
-    Under autocast the matmuls run in autocast's dtype, as `F.linear`'s would.
+    Under autocast the matmuls run in autocast's dtype, as `F.linear`'s would. A weight written in place before the
+    backward raises there, as autograd's check of a saved tensor would.
     """
 
     @staticmethod
     def forward(ctx, out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.weight = weight
+        ctx.weight, ctx.weight_version = weight, weight._version
         ctx.mark_dirty(out)
         out.addmm_(x.to(out.dtype), weight.t().to(out.dtype))
         return out if bias is None else out.add_(bias.to(out.dtype))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        if ctx.weight._version != ctx.weight_version:
+            raise RuntimeError(f"a frozen LoRA base weight of shape {tuple(ctx.weight.shape)} was modified in place "
+                               "between the forward and the backward; its gradient would use the new values")
         grad_x = grad.matmul(ctx.weight.to(grad.dtype)) if ctx.needs_input_grad[1] else None
         return grad, grad_x, None, None
 
