@@ -19,12 +19,12 @@ from training.utils.trainer import Trainer
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def lora_model(dropout: float = 0.0, dtype: torch.dtype = torch.float32):
+def lora_model(dropout: float = 0.0, dtype: torch.dtype = torch.float32, alpha: float = 8.0):
     """The tiny random model wrapped with rank-4 adapters whose B is nonzero (at initialisation B = 0 and the
     adapter adds nothing, which would hide a wrong sum)."""
     torch.manual_seed(0)
     model, _ = load_model_and_tokenizer("tiny-random", device="cpu", dtype=dtype)
-    wrapped = wrap_with_lora(model, rank=4, alpha=8.0, dropout=dropout, target_modules=TARGETS)
+    wrapped = wrap_with_lora(model, rank=4, alpha=alpha, dropout=dropout, target_modules=TARGETS)
     with torch.no_grad():
         for name, param in wrapped.named_parameters():
             if ".lora_B." in name:
@@ -213,3 +213,15 @@ def test_a_base_weight_written_between_forward_and_backward_raises():
         model.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight.mul_(2.0)
     with pytest.raises(RuntimeError, match="frozen LoRA base weight of shape .* modified in place"):
         loss.backward()
+
+
+def test_the_forward_rounds_alike_with_and_without_gradients():
+    """The trainer's logprobs (no gradients) and its training forward sum in one order: bit-equal logits (with a
+    scaling that is not a power of two, so where it is applied changes the rounding)."""
+    model = lora_model(alpha=7.0)
+    with torch.no_grad():
+        scored = model(input_ids=TOKENS).logits
+    with torch.inference_mode():
+        inferred = model(input_ids=TOKENS).logits
+    trained = model(input_ids=TOKENS).logits
+    assert trained.requires_grad and torch.equal(scored, trained.detach()) and torch.equal(inferred, scored)

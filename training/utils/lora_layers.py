@@ -27,8 +27,8 @@ class AddedLoraLinear(PeftLinear):
     """peft's LoRA linear with a forward that sums in place: `y = (scaling·dropout(x)·Aᵀ)·Bᵀ`, then
     `y += x·Wᵀ + b` by one `addmm_` (`AddFrozenLinear`, which keeps no tensor for the backward, so that a checkpointed
     layer does not recompute the base of its last projection); the gradient of `y` reaches `A` and `B` without the
-    two output-sized tensors peft's sum makes. Where the base trains, or without gradients, the base comes first and
-    the adapter's product is added into it.
+    two output-sized tensors peft's sum makes. Where the base trains, the base comes first and the adapter's product
+    is added into it.
 
     `training.utils.lora.wrap_with_lora` gives every plain one-adapter linear this class. Everything else is peft's:
     the parameters and their names, the state dict, merging, saving, disabling; and the forward itself whenever it is
@@ -46,13 +46,13 @@ class AddedLoraLinear(PeftLinear):
             return super().forward(x)
         rows = x.reshape(-1, x.shape[-1])
         base = self.base_layer
-        if not torch.is_grad_enabled() or any(p.requires_grad for p in base.parameters(recurse=False)):
+        hidden = torch.nn.functional.linear(self.lora_dropout[ADAPTER](rows), lora_A)
+        if any(p.requires_grad for p in base.parameters(recurse=False)):
             out = base(rows)  # 2-D, so the in-place sum is on a tensor of its own, not on a view
-            hidden = torch.nn.functional.linear(self.lora_dropout[ADAPTER](rows), lora_A)
             out.addmm_(hidden, lora_B.t().to(out.dtype), alpha=self.scaling[ADAPTER])
-        else:  # the frozen base last, saving nothing: a checkpointed layer's recomputation stops before it
-            hidden = torch.nn.functional.linear(self.lora_dropout[ADAPTER](rows), lora_A) * self.scaling[ADAPTER]
-            out = AddFrozenLinear.apply(torch.mm(hidden, lora_B.t().to(hidden.dtype)), rows, base.weight, base.bias)
+        else:  # the frozen base last, saving nothing (with or without gradients, so both round alike)
+            out = torch.mm(hidden * self.scaling[ADAPTER], lora_B.t().to(hidden.dtype))
+            out = AddFrozenLinear.apply(out, rows, base.weight, base.bias)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
