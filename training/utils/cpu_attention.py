@@ -44,6 +44,10 @@ rows at once, a long context's keys and values are float32 copies of tens of MB 
 and read back by the next matmul; a chunk's copies are still in the cache when the matmul reads them. Results are
 the same bits either way (benchmarks/RESULTS.md has the measurements)."""
 
+PIECES = "prefix_pieces"
+"""The keyword under which a trainer's forward passes a micro-batch's `prefix_attention.PrefixPieces` down to each
+layer's attention: its shared-prefix rows computed a piece at a time."""
+
 SDPA_LIKE = ("sdpa", NAME, DECODE_NAME)
 """The implementations a switch starts from: sdpa, or one of these (the engine's copy of a trainer's model)."""
 
@@ -74,8 +78,9 @@ def cpu_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
                   attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   is_causal: bool | None = None, short_rows: bool = True, **kwargs) -> tuple[Tensor, None]:
     """transformers' attention-function contract: (rows, heads, queries, dim) in, (rows, queries, heads, dim)
-    out. Decode, and with `short_rows` short rows, on the CPU are computed here; the rest by
-    `sdpa_attention_forward`."""
+    out. Decode, and with `short_rows` short rows, on the CPU are computed here, shared-prefix rows a piece at a
+    time where the trainer passes their pieces (`PIECES`); the rest by `sdpa_attention_forward`."""
+    pieces = kwargs.pop(PIECES, None)
     queries, keys = query.shape[2], key.shape[2]
     # Under autocast (the trainer's bf16) sdpa would run in the autocast dtype whatever the inputs' (rotary
     # embeddings leave queries and keys float32); so does the short-row path.
@@ -83,6 +88,8 @@ def cpu_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     here = (query.device.type == "cpu" and not dropout and not any(kwargs.get(name) for name in UNSUPPORTED)
             and (attention_mask is None or attention_mask.dtype == torch.bool or queries == 1))
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if here and pieces is not None and queries > 1:
+        return pieces.attend(query, key, value, scaling), None
     if here and queries == 1 and query.dtype in (torch.float32, torch.bfloat16):
         return decode_attention(query, key, value, attention_mask, scaling), None
     if (here and short_rows and dtype == torch.bfloat16 and keys <= SHORT_ROW_KEYS

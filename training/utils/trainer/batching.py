@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from training.utils import distributed
+from training.utils.prefix_attention import Piece
 from training.utils.trainer.shared_prefix import PrefixBundle, shared_layout
 
 
@@ -95,6 +96,8 @@ class PaddedBatch:
     """With shared prefixes: `SharedLayout.sequence_ids`, else None."""
     segment_ids: Tensor | None = None
     """With shared prefixes: `SharedLayout.segment_ids`, else None."""
+    pieces: list[Piece] | None = None
+    """With shared prefixes: `SharedLayout.pieces`, else None."""
 
     @property
     def shape(self) -> torch.Size:
@@ -216,11 +219,11 @@ def collate(
     attention_mask = pad_rows([[1] * len(d.input_ids) for d in chosen], torch.long)
     weights = pad_rows([d.weights for d in chosen], torch.float32)
     positions = (weights != 0 if trained_only else attention_mask.bool()).flatten().nonzero().squeeze(1)
-    position_ids, hidden_index, sequence_ids, segment_ids = None, positions, None, None
+    position_ids, hidden_index, sequence_ids, segment_ids, pieces = None, positions, None, None, None
     if any(len(bundle.indices) > 1 for bundle in bundles):
         layout = shared_layout([d.input_ids for d in datums], bundles, packed=packed)
         input_ids, attention_mask, position_ids = layout.input_ids, None, layout.position_ids
-        sequence_ids, segment_ids = layout.sequence_ids, layout.segment_ids
+        sequence_ids, segment_ids, pieces = layout.sequence_ids, layout.segment_ids, layout.pieces
         hidden_index = pad_rows(layout.token_index_D, torch.long).flatten()[positions]
     elif packed:
         lengths = torch.tensor([len(d.input_ids) for d in chosen])
@@ -243,6 +246,7 @@ def collate(
         hidden_index=hidden_index,
         sequence_ids=sequence_ids,
         segment_ids=segment_ids,
+        pieces=pieces,
     )
 
 

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from training.utils import cpu_share, distributed
 from training.utils.atomic_dir import replaced_directory
 from training.utils.config import TrainerConfig
-from training.utils.cpu_attention import use_cpu_attention
+from training.utils.cpu_attention import NAME as CPU_ATTENTION, PIECES, use_cpu_attention
 from training.utils.errors import ConfigError
 from training.utils.flops import decoder_shape, forward_flops, shared_prefix_pairs
 from training.utils.lora import (
@@ -51,6 +51,7 @@ from training.utils.lora import (
     standalone_copy,
     wrap_with_lora,
 )
+from training.utils.prefix_attention import plan_pieces
 from training.utils.trainer.activation_checkpointing import enable_activation_checkpointing
 from training.utils.trainer.batching import (
     Datum,
@@ -226,15 +227,19 @@ class Trainer:
     def _forward(self, batch: PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """(b, T) logprobs (and entropies) at `batch.positions`, 0 elsewhere; differentiable if grad is on."""
         lm_head = self.model.get_output_embeddings()
-        attention_mask = batch.attention_mask
+        attention_mask, pieces = batch.attention_mask, {}
         if batch.sequence_ids is not None:
             attention_mask = shared_prefix_mask(batch.sequence_ids, batch.segment_ids, self.prefix_sharing.attention)
+            # Compiled layers would guard on (and recompile for) every plan's shapes: they take the dense mask.
+            if self.prefix_sharing.attention == CPU_ATTENTION and self.compiled_layers is None:
+                pieces[PIECES] = plan_pieces(batch.pieces, batch.input_ids.numel()).to(self.device)
         with autocast(self.precision, self.device):
             hidden_BTH = self.model.get_decoder()(
                 input_ids=batch.input_ids,
                 attention_mask=attention_mask,
                 position_ids=batch.position_ids,
                 use_cache=False,
+                **pieces,
             ).last_hidden_state
             hidden_NH = hidden_BTH.flatten(0, 1).index_select(0, batch.hidden_index)
             targets_N = batch.target_ids.flatten().index_select(0, batch.positions)

@@ -24,6 +24,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from training.utils.cpu_attention import NAME
 from training.utils.errors import ConfigError
+from training.utils.prefix_attention import Piece
 
 MIN_SHARED_TOKENS = 8
 """The shortest common prefix that forms a shared row; shorter ones save less than the 4-D mask costs."""
@@ -156,21 +157,27 @@ class SharedLayout:
     """(R, W) long: 0 for a prefix, j + 1 for the j-th datum's suffix (within its bundle)."""
     token_index_D: list[Tensor]
     """Per datum (bundle by bundle), the flat index in (R·W) of each of its tokens."""
+    pieces: list[Piece]
+    """Each prefix and each suffix, in (R·W) positions: what `prefix_attention` computes the attention of."""
 
 
 def shared_layout(input_ids_D: list[list[int]], bundles: list[PrefixBundle], *, packed: bool) -> SharedLayout:
     """Lay out each bundle as its prefix, then its datums' suffixes; rows right-padded to the longest."""
     rows: list[dict[str, list[int]]] = []
     columns_D: list[tuple[int, Tensor]] = []
+    pieces: list[tuple[int, int, int, int, int]] = []  # row, prefix column, prefix length, column, length
     for number, bundle in enumerate(bundles):
         if not (packed and rows):
             rows.append({"input_ids": [], "position_ids": [], "sequence_ids": [], "segment_ids": []})
         row = rows[-1]
         prefix_len, start = bundle.prefix_len, len(row["input_ids"])
         _extend(row, input_ids_D[bundle.indices[0]][:prefix_len], 0, number, 0)
+        pieces.append((len(rows) - 1, start, 0, start, prefix_len))
         for segment, index in enumerate(bundle.indices, start=1):
             ids, suffix_start = input_ids_D[index], len(row["input_ids"])
             _extend(row, ids[prefix_len:], prefix_len, number, segment)
+            if len(ids) > prefix_len:
+                pieces.append((len(rows) - 1, start, prefix_len, suffix_start, len(ids) - prefix_len))
             t = torch.arange(len(ids))
             columns_D.append((len(rows) - 1, torch.where(t < prefix_len, start + t, suffix_start + t - prefix_len)))
     width = max(len(row["input_ids"]) for row in rows)
@@ -179,7 +186,9 @@ def shared_layout(input_ids_D: list[list[int]], bundles: list[PrefixBundle], *, 
                            padding_value=-1 if name == "sequence_ids" else 0)
         for name in rows[0]
     }
-    return SharedLayout(**padded, token_index_D=[row * width + columns for row, columns in columns_D])
+    return SharedLayout(**padded, token_index_D=[row * width + columns for row, columns in columns_D],
+                        pieces=[Piece(row * width + prefix_column, prefix_len, row * width + column, length)
+                                for row, prefix_column, prefix_len, column, length in pieces])
 
 
 def _extend(row: dict[str, list[int]], ids: list[int], first_position: int, sequence: int, segment: int) -> None:
