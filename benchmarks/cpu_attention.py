@@ -13,8 +13,14 @@ Trainer: one `Trainer` (the model's precision as a run picks it) on each `--trai
 datums of up to `--uneven-len` tokens, padded rows). `forward_backward` alternates between the short-row path off
 (`SHORT_ROW_KEYS` = 0: sdpa) and on, `--trainer-steps` times each after a warm-up; it prints the median of each.
 
+Shared-prefix rows (`--shared-workloads`): the trainer of `multi_turn_message_in` (rank-16 LoRA, checkpointing,
+2048-token micro-batches) on `--shared-batch` draws of each grouped shape (multi-turn: 210-token prompts, draws of
+14-106 tokens), `forward_backward` with the rows' attention a piece at a time (`prefix_attention.py`) and under
+their dense mask (`Trainer.attention_by_pieces`), alternating which goes first; the median of each.
+
     python benchmarks/cpu_attention.py                       # SmolLM2-135M-Instruct, 8 x 8 draws, 12 tokens
     python benchmarks/cpu_attention.py --group-size 32 --max-tokens 64 --trainer-workloads
+    python benchmarks/cpu_attention.py --no-engine --trainer-workloads --shared-workloads multi-turn
 """
 
 from __future__ import annotations
@@ -111,6 +117,28 @@ def time_trainer(args) -> None:
         cpu_attention.SHORT_ROW_KEYS = default
 
 
+def time_shared_rows(args) -> None:
+    """Median `forward_backward` seconds with shared-prefix rows by pieces and under the dense mask, alternating."""
+    model, _ = load_model_and_tokenizer(args.model)
+    trainer = Trainer(model, TrainerConfig(learning_rate=1e-9, lora_rank=16, gradient_checkpointing=True,
+                                           max_tokens_per_microbatch=2048))
+    print(f"shared-prefix rows: precision={trainer.precision}, LoRA rank 16, checkpointing, {args.shared_batch} draws")
+    print(f"{'workload':<10} {'dense s':>8} {'pieces s':>9} {'speed-up':>9}")
+    for name in args.shared_workloads:
+        datums = grouped_datums(args.shared_batch, 8, name, model.config.vocab_size)
+        seconds: dict[bool, list[float]] = {False: [], True: []}
+        for repeat in range(args.trainer_steps + 1):  # the first round warms both up and is not counted
+            for by_pieces in ((False, True) if repeat % 2 else (True, False)):  # neither always follows the other
+                trainer.attention_by_pieces = by_pieces
+                start = time.perf_counter()
+                trainer.forward_backward(datums, pg_loss)
+                if repeat:
+                    seconds[by_pieces].append(time.perf_counter() - start)
+                trainer.optimizer.zero_grad(set_to_none=True)
+        dense, pieces = statistics.median(seconds[False]), statistics.median(seconds[True])
+        print(f"{name:<10} {dense:>8.3f} {pieces:>9.3f} {dense / pieces:>8.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -123,10 +151,16 @@ def main() -> None:
                         choices=["main-job", "trl", "uneven"], help="none: the engine only")
     parser.add_argument("--trainer-steps", type=int, default=4)
     parser.add_argument("--uneven-len", type=int, default=400)
+    parser.add_argument("--shared-workloads", nargs="*", default=[], choices=["main-job", "trl", "multi-turn"])
+    parser.add_argument("--shared-batch", type=int, default=64)
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine's comparison")
     args = parser.parse_args()
-    asyncio.run(run(args))
+    if not args.no_engine:
+        asyncio.run(run(args))
     if args.trainer_workloads:
         time_trainer(args)
+    if args.shared_workloads:
+        time_shared_rows(args)
 
 
 if __name__ == "__main__":

@@ -89,16 +89,27 @@ def test_a_group_of_draws_computes_a_fraction_of_its_rows_pairs():
     assert (pieces.output_index[~real] == written).all()
 
 
+def test_short_draws_keep_the_dense_mask_and_long_ones_take_pieces():
+    """A small query block runs about as slowly as a full one, so a group of short draws (the main job's: 4-12
+    tokens after 46) is cheaper under its dense mask; long draws (14-106 after 210, the multi-turn example's) are
+    not."""
+    for prompt_len, draw_lens, pay in ((46, [4, 12, 7, 9, 5, 11, 6, 8], False),
+                                       (210, [14, 106, 57, 80, 33, 95, 21, 64], True)):
+        layout = layout_of(group_ids([prompt_len], [draw_lens]), packed=False)
+        rows, width = layout.input_ids.shape
+        assert plan_pieces(layout.pieces, rows * width).pay(rows, width) is pay
+
+
 def test_draws_of_very_different_lengths_are_batched_apart():
-    layout = layout_of(group_ids([60], [[4] * 6 + [100] * 2]), packed=False)
+    layout = layout_of(group_ids([60], [[4] * 12 + [200] * 2]), packed=False)
     pieces = plan_pieces(layout.pieces, layout.input_ids.numel())
-    assert [(b.rows, b.queries, b.keys) for b in pieces.batches] == [(1, 60, 60), (6, 4, 64), (2, 100, 160)]
+    assert [(b.rows, b.queries, b.keys) for b in pieces.batches] == [(1, 60, 60), (12, 4, 64), (2, 200, 260)]
 
 
 def make_trainer(**cfg) -> Trainer:
     torch.manual_seed(0)
     model, _ = load_model_and_tokenizer(tiny_config(260), device="cpu")
-    return Trainer(model, TrainerConfig(share_prefixes="on", **cfg))
+    return Trainer(model, TrainerConfig(**({"share_prefixes": "on"} | cfg)))
 
 
 def datums_of(ids: list[list[int]]) -> list[Datum]:
@@ -110,8 +121,12 @@ def loss_fn(logprobs, mb):
     return -(mb.advantages[:, None] * logprobs * mb.weights).sum() / mb.num_tokens_total, {}
 
 
+LONG_DRAWS = ([40, 36], [[70, 91, 65, 80], [75, 88, 70]])
+"""Two groups whose draws are long enough for pieces to pay (`PrefixPieces.pay`)."""
+
+
 def test_the_trainers_attention_never_spans_a_shared_row(monkeypatch):
-    datums = datums_of(group_ids([30, 24], [[6, 11, 3, 9], [5, 8, 2]]))
+    datums = datums_of(group_ids(*LONG_DRAWS))
     widths = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -123,9 +138,9 @@ def test_the_trainers_attention_never_spans_a_shared_row(monkeypatch):
     trainer = make_trainer()
     trainer.logprobs(datums)
     trainer.forward_backward(datums, loss_fn)
-    # The shared rows are 57 and 36 input ids wide (a datum's last token is only a target); a suffix's keys are
-    # its prefix and itself, at most 30 + 10.
-    assert widths and max(widths) == 30 + 10
+    # The shared rows are 342 and 266 input ids wide (a datum's last token is only a target); a suffix's keys
+    # are its prefix and itself, at most 40 + 90.
+    assert widths and max(widths) == 40 + 90
 
 
 class CountKernels(TorchDispatchMode):
@@ -139,15 +154,31 @@ class CountKernels(TorchDispatchMode):
 
 
 def test_checkpointing_keeps_the_pieces_attention_and_gives_the_same_gradient():
-    datums = datums_of(group_ids([30, 24], [[6, 11, 3, 9], [5, 8, 2]]))
-    gradients = []
+    datums = datums_of(group_ids(*LONG_DRAWS))
+    gradients, kernels = [], []
     for checkpointing in (False, True):
         trainer = make_trainer(gradient_checkpointing=checkpointing)
-        with CountKernels() as kernels:
+        with CountKernels() as counted:
             trainer.forward_backward(datums, loss_fn)
+        kernels.append(counted.count)
         gradients.append({n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None})
-        # One forward per layer and batch of pieces (the prompts, the draws) either way: the recomputation returns
-        # the kept outputs.
-        assert kernels.count == trainer.model.config.num_hidden_layers * 2, checkpointing
+    # One micro-batch: the dense mask would run one kernel a layer; its pieces run one per batch (prompts, draws),
+    # and as many checkpointed: the recomputation returns the kept outputs.
+    assert kernels[0] == kernels[1] >= 2 * trainer.model.config.num_hidden_layers
     for name, grad in gradients[0].items():
         assert (gradients[1][name] - grad).abs().max() < 1e-6, name
+
+
+def test_the_trainers_pieces_give_the_logprobs_and_gradient_of_datums_apart():
+    datums = datums_of(group_ids(*LONG_DRAWS))
+    results = []
+    for share in ("on", "off"):
+        trainer = make_trainer() if share == "on" else make_trainer(share_prefixes="off")
+        logprobs = trainer.logprobs(datums)
+        trainer.forward_backward(datums, loss_fn)
+        results.append((logprobs, {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}))
+    (shared, shared_grads), (apart, apart_grads) = results
+    for got, want in zip(shared, apart, strict=True):
+        assert (got - want).abs().max() < 1e-5
+    for name, grad in apart_grads.items():
+        assert (shared_grads[name] - grad).abs().max() < 1e-5, name

@@ -29,6 +29,16 @@ CALL_PAIRS = 8192
 """One batch's fixed cost in (query, key) pairs, what `plan_pieces` weighs a further batch by: an sdpa call's
 forward and backward with its autograd nodes, about as long as that many more pairs take on SmolLM2's heads."""
 
+QUERY_BLOCK = 64
+"""sdpa's CPU kernel computes a row's queries in blocks, and a piece of fewer queries runs its small block about as
+slowly as a full one: the cost model counts each piece as at least this many queries."""
+
+DENSE_SHARE = 0.7
+"""Pieces replace the dense mask only where their modelled cost is at most this share of the row's square; the rest
+pays for the gathers. Set on SmolLM2's shapes (benchmarks/cpu_attention.py `--shared-workloads`, every micro-batch by
+pieces): draws of 14-106 tokens after 210-token prompts (micro-batches modelled at 0.38-0.63) gained; draws of 24
+tokens (0.75) and of 4-12 (2.6) lost, though their pieces computed 0.28 and 0.59 of the dense pairs."""
+
 MAX_BATCH_PIECES = 64
 """The most pieces one batch holds: bounds `plan_pieces`' search on micro-batches of many short datums, where a
 call's fixed cost is small beside so many rows anyway."""
@@ -70,6 +80,14 @@ class PrefixPieces:
     """(Σ rows · keys,) flat grid positions of the batches' keys and values."""
     output_index: Tensor
     """(grid,) each grid position's row in the batches' outputs laid end to end, then a zero row (padding)."""
+
+    def cost(self) -> int:
+        """The modelled cost in (query, key) pairs: `plan_pieces`' own, `CALL_PAIRS` a batch."""
+        return sum(b.rows * max(b.queries, QUERY_BLOCK) * b.keys + CALL_PAIRS for b in self.batches)
+
+    def pay(self, rows: int, width: int) -> bool:
+        """Whether these pieces beat the dense mask of `rows` rows of `width` tokens (`DENSE_SHARE`)."""
+        return self.cost() <= DENSE_SHARE * (rows * width * width + CALL_PAIRS)
 
     def to(self, device: torch.device) -> PrefixPieces:
         batches = tuple(PieceBatch(b.rows, b.queries, b.keys, None if b.visible is None else b.visible.to(device))
@@ -120,8 +138,8 @@ def plan_pieces(pieces: list[Piece], grid: int, call_pairs: int = CALL_PAIRS) ->
 
     Pieces with a prefix and pieces without are batched apart (the latter need no mask). Within each, sorted by
     keys then queries, the batches are runs of neighbours, chosen exactly by dynamic programming over where each
-    run starts: a run costs its rows × longest queries × its keys, plus `call_pairs`; it holds at most
-    `MAX_BATCH_PIECES`.
+    run starts: a run costs its rows × longest queries (at least `QUERY_BLOCK`) × its keys, plus `call_pairs`; it
+    holds at most `MAX_BATCH_PIECES`.
     """
     batches: list[PieceBatch] = []
     query_index: list[Tensor] = []
@@ -160,7 +178,7 @@ def _runs(pieces: list[Piece], call_pairs: int) -> list[list[Piece]]:
         prefix_len = length = 0
         for start in range(end - 1, max(end - MAX_BATCH_PIECES, 0) - 1, -1):
             prefix_len, length = max(prefix_len, pieces[start].prefix_len), max(length, pieces[start].length)
-            cost = best[start] + (end - start) * length * (prefix_len + length) + call_pairs
+            cost = best[start] + (end - start) * max(length, QUERY_BLOCK) * (prefix_len + length) + call_pairs
             if cost < best[end]:
                 best[end], start_of[end] = cost, start
     runs, end = [], len(pieces)

@@ -46,7 +46,9 @@ class TrainerConfig(StrictModel):
     Logprobs, entropies and gradients are those of the datums apart; the budget counts the tokens computed.
     Datums join while that lowers the estimated compute (a prefix of at least 8 tokens, dense-mask attention
     counted). `auto`: on where the model's attention takes a custom mask (`sdpa`, `eager`, `flex_attention`),
-    off for flash-attention kernels; `on` raises for those (benchmarks/RESULTS.md compares it with `off`)."""
+    off for flash-attention kernels; `on` raises for those (benchmarks/RESULTS.md compares it with `off`). On a
+    CPU a row's attention is computed a piece at a time, each prefix and each datum's own tokens, not over the
+    row's whole square (`prefix_attention.py`)."""
     precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
     """Trainer numerics. `fp32`: float32 everywhere. `bf16-autocast`: float32 weights, gradients and AdamW state,
     matmuls in bfloat16 under autocast. `bf16`: bfloat16 weights and AdamW state (half the memory, but an update

@@ -125,6 +125,9 @@ class Trainer:
         self.compiled_layers: CompiledLayers | None = None
         use_cpu_attention(model)  # decode and short rows as batched matmuls on a CPU (cpu_attention.py)
         self.prefix_sharing = PrefixSharing.for_model(cfg.share_prefixes, model)  # None: each datum alone
+        self.attention_by_pieces = True
+        """Shared-prefix rows' attention a piece at a time (`prefix_attention`) where the model runs `cpu_sdpa` and
+        its layers are not compiled; False: the row's dense mask (benchmarks/cpu_attention.py compares the two)."""
         dtype = weight_dtype(cfg, self.device)
         if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
             # Load in this dtype to avoid the conversion (from bf16 it cannot restore lost precision).
@@ -231,8 +234,11 @@ class Trainer:
         if batch.sequence_ids is not None:
             attention_mask = shared_prefix_mask(batch.sequence_ids, batch.segment_ids, self.prefix_sharing.attention)
             # Compiled layers would guard on (and recompile for) every plan's shapes: they take the dense mask.
-            if self.prefix_sharing.attention == CPU_ATTENTION and self.compiled_layers is None:
-                pieces[PIECES] = plan_pieces(batch.pieces, batch.input_ids.numel()).to(self.device)
+            if (self.attention_by_pieces and self.prefix_sharing.attention == CPU_ATTENTION
+                    and self.compiled_layers is None):
+                plan = plan_pieces(batch.pieces, batch.input_ids.numel())
+                if plan.pay(*batch.input_ids.shape):
+                    pieces[PIECES] = plan.to(self.device)
         with autocast(self.precision, self.device):
             hidden_BTH = self.model.get_decoder()(
                 input_ids=batch.input_ids,

@@ -10,7 +10,8 @@ one hidden state is read by every datum, each applying its own target; its gradi
 
 - `prefix_bundles`: which datums share a row. Sorted by input ids, datums with a common prefix
   become neighbours; the runs of neighbours that make the least estimated compute share rows.
-- `shared_layout`: the model's inputs for one micro-batch of bundles, and where each datum's tokens are.
+- `shared_layout`: the model's inputs for one micro-batch of bundles, where each datum's tokens are, and
+  its pieces (each prefix, each suffix), which the trainer's CPU attention computes apart (`prefix_attention`).
 - `shared_prefix_mask`: the attention mask of a layout, in the form the attention implementation takes.
 """
 
