@@ -4,13 +4,15 @@
 torch's CPU sdpa kernels tile the queries of every (row, head) pair in blocks made for long sequences. On the short
 rows of RL (a prompt and its draws, a chat turn) that tiling is most of the cost: on SmolLM2's shape, a trainer
 micro-batch of eight 110-token rows spent about a fifth of its forward and backward in sdpa's CPU kernels
-(benchmarks/RESULTS.md). Here both cases are a few batched matmuls:
+(benchmarks/RESULTS.md). Here the first two cases below are a few batched matmuls:
 
 - decode: q·kᵀ, softmax, ·v in float32, per key/value head for its group of query heads, bf16 keys and values
   converted a few rows at a time once the context is long (`DECODE_CHUNK_BYTES`);
 - short bf16 rows (at most `SHORT_ROW_KEYS` keys): the same with bf16 matmuls and a float32 softmax, as an
   autograd function that keeps only q, k, v and the mask for the backward, which recomputes the softmax (as a
-  flash kernel does), so activation memory is what sdpa's is.
+  flash kernel does), so activation memory is what sdpa's is;
+- the trainer's shared-prefix rows, where it passes their pieces (`PIECES`): sdpa on each prefix and each suffix
+  apart, batched by length (`prefix_attention`), instead of on every pair of the row.
 
 Under bf16 the scores are products of bf16 queries and keys summed in float32 and rounded once to bf16, the same
 rounding every bf16 matmul of the model makes; the softmax and its normalisation run in float32.

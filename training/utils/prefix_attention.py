@@ -12,6 +12,8 @@ fixed cost), each batch one sdpa call: causal without a mask for prefixes, under
 builds the batches' queries, keys and values, and one gather puts the outputs back on the row's grid (0 at padding),
 so the backward is one scatter-add each. The result is the dense mask's, to float rounding (the pairs are summed
 in other blocks); a padded query duplicates a real one and its output is dropped, so it passes no gradient back.
+Short draws keep the dense mask: a piece of few queries costs about a full query block, so the trainer takes the
+pieces only where a cost model that counts that says they pay (`PrefixPieces.pay`).
 """
 
 from __future__ import annotations
