@@ -36,11 +36,11 @@ def group_ids(prompt_lens: list[int], draw_lens: list[list[int]], seed: int = 0)
 
 
 def layout_of(ids: list[list[int]], packed: bool):
-    # A lone datum (the last) beside the groups; a draw equal to its prompt (length 0) has no suffix of its own.
     return shared_layout(ids, prefix_bundles(ids, max_tokens=10_000, pair_cost=0.0), packed=packed)
 
 
 RAGGED = ([12, 9, 20], [[5, 1, 17, 0, 3], [30, 2], [7]])
+"""Ragged groups, a draw equal to its prompt (no suffix of its own), and a lone datum (the last) beside them."""
 
 
 @pytest.mark.parametrize(("packed", "bf16"), [(False, False), (True, False), (False, True)])
