@@ -11,7 +11,8 @@ Trainer: one `Trainer` (the model's precision as a run picks it) on each `--trai
 `benchmarks/trainer_throughput.py` (main-job: 64 draws of 46-token prompts, a group per shared-prefix row of about
 110 tokens; trl: 32 draws of 47-token prompts with 24 sampled tokens, rows of about 240; uneven: 16 unrelated
 datums of up to `--uneven-len` tokens, padded rows). `forward_backward` alternates between the short-row path off
-(`SHORT_ROW_KEYS` = 0: sdpa) and on, `--trainer-steps` times each after a warm-up; it prints the median of each.
+(`SHORT_ROW_KEYS` = 0: sdpa) and on, which goes first alternating, `--trainer-steps` times each after a warm-up; it
+prints the median of each.
 
 Shared-prefix rows (`--shared-workloads`): the trainer of `multi_turn_message_in` (rank-16 LoRA, checkpointing,
 2048-token micro-batches) on `--shared-batch` draws of each grouped shape (multi-turn: 210-token prompts, draws of
@@ -91,6 +92,21 @@ def trainer_workload(name: str, vocab_size: int, args) -> list:
     return grouped_datums(64 if name == "main-job" else 32, 8, name, vocab_size)
 
 
+def alternating_medians(trainer: Trainer, datums: list, steps: int, choose, settings: tuple) -> list[float]:
+    """Median `forward_backward` seconds under each of `settings` (applied by `choose`), in turn `steps` times after
+    a round that warms them up; which goes first alternates, so that neither always follows the other."""
+    seconds: dict = {setting: [] for setting in settings}
+    for repeat in range(steps + 1):
+        for setting in (settings if repeat % 2 else settings[::-1]):
+            choose(setting)
+            start = time.perf_counter()
+            trainer.forward_backward(datums, pg_loss)
+            if repeat:
+                seconds[setting].append(time.perf_counter() - start)
+            trainer.optimizer.zero_grad(set_to_none=True)
+    return [statistics.median(seconds[setting]) for setting in settings]
+
+
 def time_trainer(args) -> None:
     """Median `forward_backward` seconds with the short-row path off and on, alternating in one trainer."""
     model, _ = load_model_and_tokenizer(args.model)
@@ -102,16 +118,8 @@ def time_trainer(args) -> None:
     try:
         for name in args.trainer_workloads:
             datums = trainer_workload(name, model.config.vocab_size, args)
-            seconds: dict[int, list[float]] = {0: [], default: []}
-            for repeat in range(args.trainer_steps + 1):  # the first round warms both up and is not counted
-                for keys in seconds:
-                    cpu_attention.SHORT_ROW_KEYS = keys
-                    start = time.perf_counter()
-                    trainer.forward_backward(datums, pg_loss)
-                    if repeat:
-                        seconds[keys].append(time.perf_counter() - start)
-                    trainer.optimizer.zero_grad(set_to_none=True)
-            old, new = statistics.median(seconds[0]), statistics.median(seconds[default])
+            old, new = alternating_medians(trainer, datums, args.trainer_steps,
+                                           lambda keys: setattr(cpu_attention, "SHORT_ROW_KEYS", keys), (0, default))
             print(f"{name:<10} {old:>8.3f} {new:>11.3f} {old / new:>8.2f}x")
     finally:
         cpu_attention.SHORT_ROW_KEYS = default
@@ -126,16 +134,9 @@ def time_shared_rows(args) -> None:
     print(f"{'workload':<10} {'dense s':>8} {'pieces s':>9} {'speed-up':>9}")
     for name in args.shared_workloads:
         datums = grouped_datums(args.shared_batch, 8, name, model.config.vocab_size)
-        seconds: dict[bool, list[float]] = {False: [], True: []}
-        for repeat in range(args.trainer_steps + 1):  # the first round warms both up and is not counted
-            for by_pieces in ((False, True) if repeat % 2 else (True, False)):  # neither always follows the other
-                trainer.attention_by_pieces = by_pieces
-                start = time.perf_counter()
-                trainer.forward_backward(datums, pg_loss)
-                if repeat:
-                    seconds[by_pieces].append(time.perf_counter() - start)
-                trainer.optimizer.zero_grad(set_to_none=True)
-        dense, pieces = statistics.median(seconds[False]), statistics.median(seconds[True])
+        dense, pieces = alternating_medians(trainer, datums, args.trainer_steps,
+                                            lambda by_pieces: setattr(trainer, "attention_by_pieces", by_pieces),
+                                            (False, True))
         print(f"{name:<10} {dense:>8.3f} {pieces:>9.3f} {dense / pieces:>8.2f}x")
 
 
