@@ -25,6 +25,7 @@ SCRIPTS = {
                            "lora4+peft_over_full_speedup"),
     "machine_peak": ([], "float32"),
     "lora_engine": (["--model", "tiny-random", "--repeats", "1"], "added"),
+    "openmp_threads": (["--model", "tiny-random", "--context", "16", "--steps", "2"], "second thread"),
     "logprob_head": (["--vocab", "300", "--hidden", "16", "--tokens", "40", "--chunk-tokens", "16", "--entropy",
                       "--repeats", "1"], "speed-up of blocked"),
     "cpu_attention": (["--model", "tiny-random", "--groups", "2", "--group-size", "2", "--max-tokens", "4",
