@@ -29,7 +29,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 ARRANGEMENTS = ("main", "thread", "thread, main idle", "second thread")
 CHILD_TIMEOUT_S = 1800
@@ -41,7 +40,9 @@ def measure(arrangement: str, model_name: str, rows: int, context: int, steps: i
     import training  # noqa: F401, I001 - sets OpenMP's wait policy before torch loads
     import torch
 
-    from training.utils.cpu_attention import DECODE_NAME, use_cpu_attention
+    from decode_attention import ms_per_step
+
+    from training.utils.cpu_attention import DECODE_CHUNK_BYTES, DECODE_NAME, use_cpu_attention
     from training.utils.deploy.decode import KVBatch
     from training.utils.model import load_model_and_tokenizer
 
@@ -57,14 +58,9 @@ def measure(arrangement: str, model_name: str, rows: int, context: int, steps: i
     def decode() -> None:
         torch.set_num_threads(threads)
         with torch.inference_mode():
-            batch, logits = KVBatch.prefill(model, prompts)
-            tokens = logits.argmax(-1)
-            for _ in range(3):  # warm-up
-                tokens = batch.decode(model, tokens).argmax(-1)
-            start = time.perf_counter()
-            for _ in range(steps):
-                tokens = batch.decode(model, tokens).argmax(-1)
-            result.append(1e3 * (time.perf_counter() - start) / steps)
+            prefilled, logits = KVBatch.prefill(model, prompts)
+            ms_per_step(model, prefilled, logits.argmax(-1), 3, DECODE_CHUNK_BYTES)  # warm-up
+            result.append(ms_per_step(model, prefilled, logits.argmax(-1), steps, DECODE_CHUNK_BYTES))
 
     if arrangement == "main":
         decode()
@@ -107,6 +103,8 @@ def main() -> None:
     parser.add_argument("--preload", help="a library to run the arrangements again under LD_PRELOAD")
     parser.add_argument("--arrangement", help=argparse.SUPPRESS)  # the child process's one measurement
     args = parser.parse_args()
+    if min(args.rows, args.context, args.steps, args.threads) < 1:
+        parser.error("--rows, --context, --steps and --threads must be at least 1")
     if args.arrangement:
         print(json.dumps(measure(args.arrangement, args.model, args.rows, args.context, args.steps, args.threads)))
         return
@@ -118,10 +116,13 @@ def main() -> None:
             env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)
         base = None
         for arrangement in ARRANGEMENTS:
-            out = subprocess.run([sys.executable, __file__, "--arrangement", arrangement, "--model", args.model,
-                                  "--rows", str(args.rows), "--context", str(args.context), "--steps",
-                                  str(args.steps), "--threads", str(args.threads)],
-                                 env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+            command = [sys.executable, __file__, "--arrangement", arrangement, "--model", args.model, "--rows",
+                       str(args.rows), "--context", str(args.context), "--steps", str(args.steps), "--threads",
+                       str(args.threads)]
+            try:
+                out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"the {arrangement!r} measurement ran past {CHILD_TIMEOUT_S} s") from None
             if out.returncode:
                 raise SystemExit(f"the {arrangement!r} measurement failed:\n{out.stderr[-4000:]}")
             ms = json.loads(out.stdout.strip().splitlines()[-1])
