@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,45 +36,91 @@ EXAMPLES = {
 OWNERS = ["trainer_params", "trainer_grads", "optimizer_state", "engine_weights", "kv_cache_reserved",
           "prefix_cache", "malloc_free"]
 
-# Runs the example's script as __main__ with the recipe's `main` wrapped to cap `max_steps`: the script
-# imports `main` after this runs, so it gets the wrapper. The restart comes first, as in the example, or torch
-# would be loaded before it and the run would keep glibc's malloc.
+# Runs the example's script as __main__ with the recipe's `main` wrapped to update its config: argv[2] is a JSON
+# list of objects of Config fields, applied in order, nested configs ("trainer", "sampling") updated field by field,
+# and the result validated. The script imports `main` after this runs, so it gets the wrapper. The restart comes
+# first, as in the example, or torch would be loaded before it and the run would keep glibc's malloc.
 BOOTSTRAP = """
-import runpy, sys
+import json, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops the run, even where a shell ignored it
 from training import restart_with_allocator
 restart_with_allocator()  # as the example does, before the recipes load torch
 from training.recipes import async_rl_loop, rl_loop
-steps = int(sys.argv[2])
+updates_list = json.loads(sys.argv[2])
+def merged(base, changes):
+    return {key: merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+            for key, value in (base | changes).items()}
 for recipe in (async_rl_loop, rl_loop):
-    def capped(cfg, *args, _main=recipe.main, **kwargs):
-        return _main(cfg.model_copy(update={"max_steps": steps}), *args, **kwargs)
-    recipe.main = capped
+    def updated(cfg, *args, _main=recipe.main, **kwargs):
+        fields = cfg.model_dump()
+        for updates in updates_list:
+            fields = merged(fields, updates)
+        return _main(type(cfg).model_validate(fields), *args, **kwargs)
+    recipe.main = updated
 sys.argv = [sys.argv[1]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run_example(name: str, steps: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"memory_{name}_") as workdir:
+def run_example(name: str, *updates: dict, timeout_s: float | None = None) -> dict:
+    """Run example `name` in a scratch directory, its config updated by each of `updates` in turn (Config fields,
+    nested configs as dicts): its wall time, its peak RSS and its ledger's rows. Past `timeout_s` the run is killed
+    (with the processes it started) and a RuntimeError names it; so is a run that exits with an error, with the end
+    of its output."""
+    with tempfile.TemporaryDirectory(prefix=f"{name}_") as workdir:
         env = os.environ | {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         log_path = Path(workdir) / "output.log"
         start = time.perf_counter()
         with log_path.open("w") as log:
-            process = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, str(EXAMPLES[name]), str(steps)],
-                                       cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, str(EXAMPLES[name]), json.dumps(updates)],
+                                       cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
             # wait4 rather than wait: it returns the child's own rusage, whose ru_maxrss is its peak RSS.
-            _, status, usage = os.wait4(process.pid, 0)
+            previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            try:
+                while not (waited := os.wait4(process.pid, os.WNOHANG))[0]:
+                    if timeout_s is not None and time.perf_counter() - start > timeout_s:
+                        raise RuntimeError(f"{name} {list(updates)}: stopped after {timeout_s:.0f} s, its time limit")
+                    time.sleep(0.5)
+            except BaseException:  # the time limit, Ctrl-C or a kill here: the run goes too
+                stop(process)
+                raise
+            finally:
+                signal.signal(signal.SIGTERM, previous_sigterm)
+            _, status, usage = waited
         wall = time.perf_counter() - start
-        if os.waitstatus_to_exitcode(status) != 0:
-            sys.stderr.write(log_path.read_text()[-4000:])
-            raise SystemExit(f"{name}: the example exited with {os.waitstatus_to_exitcode(status)}")
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            raise RuntimeError(f"{name} {list(updates)}: the example exited with {code}; its output ends:\n"
+                               + log_path.read_text()[-4000:])
         ledgers = list(Path(workdir).glob("runs/*/metrics.jsonl"))
         rows = [json.loads(line) for ledger in ledgers for line in ledger.read_text().splitlines() if line.strip()]
-    mem_rows = [row for row in rows if "mem/rss" in row]
-    evals = [row["eval/reward"] for row in rows if "eval/reward" in row]
+    return {"wall_s": wall, "peak_rss_gib": usage.ru_maxrss / 2**20, "rows": rows}  # ru_maxrss: KiB on Linux
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Interrupt the run as Ctrl-C would (its own session does not get the terminal's), so it stops the agent
+    processes it started; kill its process group if it is still there after 30 s."""
+    try:
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:  # it had ended
+        process.wait()
+
+
+def memory_of(name: str, steps: int) -> dict:
+    run = run_example(name, {"max_steps": steps})
+    mem_rows = [row for row in run["rows"] if "mem/rss" in row]
+    evals = [row["eval/reward"] for row in run["rows"] if "eval/reward" in row]
     return {
-        "example": name, "steps": steps, "wall_s": round(wall, 1),
-        "peak_rss_gib": usage.ru_maxrss / 2**20,  # KiB on Linux
+        "example": name, "steps": steps, "wall_s": round(run["wall_s"], 1), "peak_rss_gib": run["peak_rss_gib"],
         "ledger_rss_peak_gib": max((row["mem/rss_peak"] for row in mem_rows), default=None),
         "owners_gib": {key: mem_rows[-1].get(f"mem/{key}") for key in OWNERS} if mem_rows else {},
         "eval": evals,
@@ -86,7 +133,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    results = [run_example(name, args.steps) for name in args.examples]
+    try:
+        results = [memory_of(name, args.steps) for name in args.examples]
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
     header = ["example", "steps", "wall s", "peak RSS", "mem/rss_peak"] + OWNERS + ["eval (first, last)"]
     print(" | ".join(header))
     for r in results:

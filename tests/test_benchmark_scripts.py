@@ -25,6 +25,10 @@ SCRIPTS = {
                            "lora4+peft_over_full_speedup"),
     "machine_peak": ([], "float32"),
     "lora_engine": (["--model", "tiny-random", "--repeats", "1"], "added"),
+    "eval_spread": (["--example", "multi_turn", "--runs", "1", "--no-shipped", "--arm", 'cosine={"trainer": '
+                     '{"lr_schedule": "cosine"}}', "--set", '{"model": "tiny-random", "max_steps": 1, "sampling": '
+                     '{"max_tokens": 4}, "completions_per_prompt": 2, "prompt_groups_per_step": 2}'],
+                    "over 1 runs, range"),
     "openmp_threads": (["--model", "tiny-random", "--context", "16", "--steps", "2"], "second thread"),
     "logprob_head": (["--vocab", "300", "--hidden", "16", "--tokens", "40", "--chunk-tokens", "16", "--entropy",
                       "--repeats", "1"], "speed-up of blocked"),
