@@ -48,6 +48,16 @@ def positive(text: str) -> int:
     return int(text)
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds above 0")
+    return value
+
+
 def summary_line(name: str, evals: dict[int, float], first: dict[int, float] | None) -> str:
     values = list(evals.values())
     if not values:
@@ -73,7 +83,7 @@ def main() -> None:
     p.add_argument("--no-shipped", action="store_true", help="leave out the example as it ships (arm 'shipped')")
     p.add_argument("--set", type=parse_updates, default={}, metavar="JSON",
                    help="updates applied to every arm, under the arm's own (e.g. a smaller model for a smoke run)")
-    p.add_argument("--timeout-s", type=float, default=3600.0, help="a run still going after this is killed")
+    p.add_argument("--timeout-s", type=positive_seconds, default=3600.0, help="a run still going after this is stopped")
     args = p.parse_args()
     arms = ([] if args.no_shipped else [("shipped", {})]) + args.arm
     if not arms:

@@ -64,9 +64,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def run_example(name: str, *updates: dict, timeout_s: float | None = None) -> dict:
     """Run example `name` in a scratch directory, its config updated by each of `updates` in turn (Config fields,
-    nested configs as dicts): its wall time, its peak RSS and its ledger's rows. Past `timeout_s` the run is killed
-    (with the processes it started) and a RuntimeError names it; so is a run that exits with an error, with the end
-    of its output."""
+    nested configs as dicts): its wall time, its peak RSS and its ledger's rows. Past `timeout_s` the run is stopped
+    (`stop`) and a RuntimeError names it; so is a run that exits with an error, with the end of its output. A
+    Ctrl-C or SIGTERM while it runs stops it too."""
     with tempfile.TemporaryDirectory(prefix=f"{name}_") as workdir:
         env = os.environ | {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         log_path = Path(workdir) / "output.log"
