@@ -82,7 +82,7 @@ def run_example(name: str, *updates: dict, timeout_s: float | None = None) -> di
                     if timeout_s is not None and time.perf_counter() - start > timeout_s:
                         raise RuntimeError(f"{name} {list(updates)}: stopped after {timeout_s:.0f} s, its time limit")
                     time.sleep(0.5)
-            except BaseException:  # the time limit, Ctrl-C or a kill here: the run goes too
+            except BaseException:  # the time limit, Ctrl-C or SIGTERM here: the run goes too
                 stop(process)
                 raise
             finally:
