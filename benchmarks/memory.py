@@ -41,20 +41,18 @@ OWNERS = ["trainer_params", "trainer_grads", "optimizer_state", "engine_weights"
 # and the result validated. The script imports `main` after this runs, so it gets the wrapper. The restart comes
 # first, as in the example, or torch would be loaded before it and the run would keep glibc's malloc.
 BOOTSTRAP = """
-import json, runpy, signal, sys
+import functools, json, runpy, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops the run, even where a shell ignored it
 from training import restart_with_allocator
 restart_with_allocator()  # as the example does, before the recipes load torch
 from training.recipes import async_rl_loop, rl_loop
 updates_list = json.loads(sys.argv[2])
 def merged(base, changes):
-    return {key: merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-            for key, value in (base | changes).items()}
+    return base | {key: merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict)
+                   else value for key, value in changes.items()}
 for recipe in (async_rl_loop, rl_loop):
     def updated(cfg, *args, _main=recipe.main, **kwargs):
-        fields = cfg.model_dump()
-        for updates in updates_list:
-            fields = merged(fields, updates)
+        fields = functools.reduce(merged, updates_list, cfg.model_dump())
         return _main(type(cfg).model_validate(fields), *args, **kwargs)
     recipe.main = updated
 sys.argv = [sys.argv[1]]
