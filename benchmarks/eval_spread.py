@@ -12,7 +12,8 @@ fields, nested configs updated field by field.
     python benchmarks/eval_spread.py --example blackbox --runs 3 --arm 'lr2e-4={"trainer": {"learning_rate": 2e-4}}'
 
 Printed per run: wall, peak RSS and the eval before training and after; per arm: the mean eval after training with
-its standard error, the range, and against the first arm the mean of the per-seed differences.
+its standard error, the range, and against the first arm the mean of the per-seed differences. A run that fails or
+passes `--timeout-s` is reported and the others go on; the script then exits with status 1.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main() -> None:
         p.error(f"arm names repeat: {[name for name, _ in arms]}")
 
     evals: dict[str, dict[int, float]] = {name: {} for name, _ in arms}
+    failed = 0
     print("arm | seed | wall | peak RSS GiB | eval before → after", flush=True)
     for i in range(args.runs):
         seed = args.seed_start + i
@@ -100,10 +102,12 @@ def main() -> None:
                 run = run_example(args.example, args.set, {"seed": seed}, updates, timeout_s=args.timeout_s)
             except RuntimeError as e:  # one failed run is reported and the others go on
                 print(f"{name} | {seed} | failed: {e}", flush=True)
+                failed += 1
                 continue
             rewards = [row["eval/reward"] for row in run["rows"] if "eval/reward" in row]
             if len(rewards) < 2:
                 print(f"{name} | {seed} | no eval after training in the ledger", flush=True)
+                failed += 1
                 continue
             evals[name][seed] = rewards[-1]
             minutes, seconds = divmod(run["wall_s"], 60)
@@ -112,8 +116,8 @@ def main() -> None:
     first = evals[arms[0][0]]
     for index, (name, _) in enumerate(arms):
         print(summary_line(name, evals[name], first if index else None))
-    if not any(evals.values()):
-        sys.exit("no run finished")
+    if failed:  # the summary stands for the runs that finished; the exit status says some did not
+        sys.exit(f"{failed} of {args.runs * len(arms)} runs did not finish with an eval after training")
 
 
 if __name__ == "__main__":

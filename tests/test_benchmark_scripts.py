@@ -47,3 +47,18 @@ def test_benchmark_script_runs(script, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert expected in done.stdout
+
+
+def test_eval_spread_reports_a_run_past_its_time_limit_and_exits_nonzero(tmp_path):
+    """A run past `--timeout-s` is stopped, named with its limit, and the script's exit status says a run was lost;
+    the example's process does not outlive it."""
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "eval_spread.py"), "--example", "multi_turn",
+                           "--runs", "1", "--no-shipped", "--arm", "a={}", "--set", '{"model": "tiny-random"}',
+                           "--timeout-s", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "a | 0 | failed: multi_turn" in done.stdout and "stopped after 2 s, its time limit" in done.stdout
+    assert "a: no run finished" in done.stdout
+    assert "1 of 1 runs did not finish with an eval after training" in done.stderr
+    leftovers = subprocess.run(["pgrep", "-f", "runpy.run_path"], capture_output=True, text=True).stdout.split()
+    assert not leftovers, leftovers
