@@ -5,11 +5,16 @@ Three engines on the same rank-16 adapter (every projection, nonzero B), the sam
 - `peft`: the trainer's base shared, the adapters run by peft's own layers (what the engine ran before);
 - `unmerged`: the trainer's base shared, the adapters run by `lora.UnmergedLinear` (what `shared_base_copy` gives).
 
+With `--dtype bfloat16` the engines serve bfloat16 beside a trainer that keeps bfloat16 copies of its frozen
+weights (`trainer.frozen_weight_casts`): `merged` (its own merged copy, cast) against `unmerged` over those copies,
+what `lora_weights="auto"` gives a bf16 CPU.
+
 Two workloads: `agents` (a few long prompts, decode with a few rows, as `blackbox_agent`'s agents) and `group` (64
 short rows a step, as the main job). Each engine runs each workload `--repeats` times in turn; the best prefill and
 decode cost of each are printed (ms per prefilled token, ms per decode step), and their ratio to `merged`.
 
     python benchmarks/lora_engine.py
+    python benchmarks/lora_engine.py --dtype bfloat16
     python benchmarks/lora_engine.py --model tiny-random --repeats 1     # a quick check that it runs
 """
 
@@ -24,7 +29,8 @@ import torch
 
 from training.utils.config import DeploymentConfig
 from training.utils.deploy import start_embedded_deployment
-from training.utils.lora import shared_base_copy, standalone_copy, wrap_with_lora
+from training.utils.frozen_casts import keep_casts
+from training.utils.lora import frozen_matmul_weights, shared_base_copy, standalone_copy, wrap_with_lora
 from training.utils.lora_layers import use_peft_forward
 from training.utils.model import load_model_and_tokenizer
 
@@ -36,8 +42,13 @@ WORKLOADS = {  # name: (requests, prompt tokens, new tokens)
 }
 
 
-def engines(policy) -> dict:
+def engines(policy, dtype: torch.dtype) -> dict:
     """name -> (engine model, the tensors a sync writes or None) for the ways of running the adapter."""
+    if dtype != torch.float32:
+        keep_casts(frozen_matmul_weights(policy), dtype)
+        unmerged, adapters = shared_base_copy(policy, dtype)
+        return {"merged": (standalone_copy(policy).to(dtype), None), "unmerged": (unmerged, adapters)}
+
     def shared_base():  # a fresh memo each time: deepcopy fills it with what it copied
         return copy.deepcopy(policy, memo={id(p): p for p in policy.parameters() if not p.requires_grad})
 
@@ -50,7 +61,8 @@ def engines(policy) -> dict:
 
 
 async def run(model, targets, tokenizer, prompts, max_tokens: int) -> dict:
-    cfg = DeploymentConfig(max_batch_requests=len(prompts), dtype="float32", prefix_cache_bytes=0)
+    cfg = DeploymentConfig(max_batch_requests=len(prompts), dtype=str(model.dtype).removeprefix("torch."),
+                           prefix_cache_bytes=0)
     dep = await start_embedded_deployment(model, tokenizer, cfg, model_name="bench", sampling_timeout_s=3600,
                                           weight_targets=targets or None)
     try:
@@ -70,6 +82,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="what the engines serve")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -80,7 +93,7 @@ def main() -> None:
         for name, param in policy.named_parameters():
             if ".lora_B." in name:
                 param.normal_(0.0, 0.01)
-    models = engines(policy)
+    models = engines(policy, getattr(torch, args.dtype))
     generator = torch.Generator().manual_seed(1)
     vocab = min(base.config.vocab_size, 4000)
     best: dict = {}

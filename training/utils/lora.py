@@ -7,7 +7,8 @@ frozen and bit-identical. That gives three things without a second copy of the m
 - the reference: the initial policy *is* the base model, so the KL reference is the policy's
   own module run with its adapters disabled (`adapters_disabled`);
 - inference: the embedded engine runs the adapters unmerged over the trainer's own frozen base
-  tensors (`shared_base_copy`) and each sync copies only the adapters; elsewhere
+  tensors (`shared_base_copy`; for a bf16 engine beside a bf16-autocast trainer, over the bf16 copies the
+  trainer keeps of them, `frozen_casts`) and each sync copies only the adapters; elsewhere
   `merged_state_dict` returns `W + (lora_alpha / lora_rank)·B·A` under the base model's parameter
   names, so disk sync and `save_hf` see an ordinary Hugging Face state dict, and `standalone_copy`
   gives a deployment a plain merged model;
@@ -201,20 +202,51 @@ def adapter_of(state) -> AdapterState:
     return adapter
 
 
-def shared_base_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Tensor]]:
+def frozen_matmul_weights(model: torch.nn.Module) -> list[Tensor]:
+    """The frozen weights a LoRA model's matmuls read: each adapted layer's base weight and a plain linear output
+    head's weight (tied to the input embedding or not), each once; what `frozen_casts.keep_casts` keeps cast."""
+    from training.utils.lora_layers import AddedLoraLinear
+    from training.utils.trainer.logprob_head import projects_in_blocks
+
+    weights = [layer.get_base_layer().weight for layer in model.modules() if isinstance(layer, AddedLoraLinear)]
+    head = model.get_output_embeddings()
+    if head is not None and projects_in_blocks(head):
+        weights.append(head.weight)
+    unique = {id(weight): weight for weight in weights if not weight.requires_grad}
+    return list(unique.values())
+
+
+def shared_base_copy(model: torch.nn.Module, dtype: torch.dtype | None = None
+                     ) -> tuple[torch.nn.Module, dict[str, Tensor]]:
     """A copy of the peft-wrapped `model` an inference engine can own without a second copy of the weights: the base
     model class with its adapter layers (run unmerged), whose frozen tensors *are* `model`'s, and its own copy of the
     adapters; and those adapter tensors under the names `adapter_state` gives them, the only ones a sync may write.
 
+    With a `dtype` other than the base's, the copy serves in `dtype`: its matmul weights are the copies the trainer
+    keeps in that dtype (`frozen_casts`; every one of `frozen_matmul_weights` must have one), and the rest (the
+    adapters, norms, buffers) are its own, cast.
+
     Safe because a LoRA trainer never writes its base: only the adapters have gradients and optimizer state.
     The engine then computes the function the trainer differentiates (the same unmerged matmuls), not a merge of it.
     """
+    from training.utils.frozen_casts import cast_of
     from training.utils.lora_layers import UnmergedLinear
 
     frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
-    duplicate = copy.deepcopy(model, memo=frozen)  # memo: each frozen tensor maps to itself
+    if dtype is not None:
+        for weight in frozen_matmul_weights(model):
+            if weight.dtype != dtype:
+                cast = cast_of(weight, dtype)
+                if cast is None:
+                    raise ValueError(f"shared_base_copy: a frozen weight of shape {tuple(weight.shape)} has no kept "
+                                     f"{dtype} copy (trainer.frozen_weight_casts)")
+                frozen[id(weight)] = torch.nn.Parameter(cast, requires_grad=False)
+        frozen = {key: p for key, p in frozen.items() if p.dtype == dtype}  # the rest is copied, then cast
+    duplicate = copy.deepcopy(model, memo=frozen)  # memo: each shared tensor maps to the one the copy uses
     adapters = {_file_name(name): param for name, param in duplicate.named_parameters() if ".lora_" in name}
     engine_model = duplicate.get_base_model()
+    if dtype is not None:
+        engine_model.to(dtype)  # in place: the shared tensors are in `dtype` already, the adapters keep their names
     for parent in list(engine_model.modules()):
         for child_name, child in list(parent.named_children()):
             if UnmergedLinear.can_run(child):

@@ -13,6 +13,7 @@ import torch
 from peft.tuners.lora import Linear as PeftLinear
 from torch import Tensor
 
+from training.utils.frozen_casts import autocast_cast_of
 from training.utils.lora import ADAPTER
 
 
@@ -34,10 +35,14 @@ class AddedLoraLinear(PeftLinear):
     the parameters and their names, the state dict, merging, saving, disabling; and the forward itself whenever it is
     not the one sum (adapters disabled or merged, another adapter active, extra arguments, or an adapter in another
     dtype than its base outside autocast, where peft's casts decide). Under autocast the adapter's matmuls run in
-    autocast's dtype, as peft's `lora_B(lora_A(x))` does there.
+    autocast's dtype, as peft's `lora_B(lora_A(x))` does there, and a frozen base whose cast to that dtype the
+    trainer keeps (`frozen_casts`) is read from it, adapters on or off, instead of being cast again.
     """
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        if self.disable_adapters and not (args or kwargs or self.merged) and \
+                (weight := autocast_cast_of(self.base_layer.weight)) is not None:
+            return torch.nn.functional.linear(x, weight, self.base_layer.bias)  # the base alone, its weight cast once
         if args or kwargs or self.disable_adapters or self.merged or self.active_adapters != [ADAPTER]:
             return super().forward(x, *args, **kwargs)
         lora_A, lora_B = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight
@@ -52,7 +57,8 @@ class AddedLoraLinear(PeftLinear):
             out.addmm_(hidden, lora_B.t().to(out.dtype), alpha=self.scaling[ADAPTER])
         else:  # the frozen base last, saving nothing (with or without gradients, so both round alike)
             out = torch.mm(hidden * self.scaling[ADAPTER], lora_B.t().to(hidden.dtype))
-            out = AddFrozenLinear.apply(out, rows, base.weight, base.bias)
+            weight = autocast_cast_of(base.weight)  # the cast kept once (`frozen_casts`), where the trainer keeps it
+            out = AddFrozenLinear.apply(out, rows, base.weight if weight is None else weight, base.bias)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 

@@ -97,3 +97,12 @@ class TrainerConfig(StrictModel):
     )
     """Names of the linear layers that get adapters (a layer matches by its last name component); the
     default is the attention and MLP projections of Llama/Qwen/Mistral-style models."""
+    frozen_weight_casts: Literal["auto", "on", "off"] = "auto"
+    """With LoRA under `bf16-autocast`: keep one bfloat16 copy of each frozen weight a matmul reads (the adapted
+    layers' bases, a frozen output head) instead of casting it in every forward and backward. The same values
+    autocast makes, so logprobs and gradients are bit-identical; costs half the frozen weights' bytes, which an
+    embedded engine serving bfloat16 then runs over instead of a merged copy of its own
+    (`deployment.lora_weights`), so together they hold what they held before. `auto`: on a CPU, except in a run
+    whose deployment holds a copy of its own anyway (an external server, `lora_weights="merged"`, an engine serving
+    another dtype), where the casts would only cost memory (benchmarks/RESULTS.md, "Frozen weights cast once");
+    `on`: on any device; `off`: cast per use. Not under torchrun (FSDP2 gathers the weights per use)."""

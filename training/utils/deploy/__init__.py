@@ -8,6 +8,10 @@ docs/deployments.md). Both return a `DeploymentHandle`: `sampler`, `weight_sync`
 
 from __future__ import annotations
 
+import itertools
+
+import torch
+
 from training.utils.config import DeploymentConfig
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.embedded import EmbeddedDeployment, engine_dtype, start_embedded_deployment
@@ -16,7 +20,8 @@ from training.utils.deploy.external import ExternalDeployment, connect_external_
 from training.utils.deploy.sampler import Sampler
 from training.utils.deploy.weight_sync import DiskWeightSync
 from training.utils.errors import ConfigError
-from training.utils.lora import is_lora, shared_base_copy, standalone_copy
+from training.utils.frozen_casts import cast_of, kept_casts
+from training.utils.lora import frozen_matmul_weights, is_lora, shared_base_copy, standalone_copy
 
 __all__ = [
     "Completion",
@@ -44,9 +49,15 @@ async def start_deployment(
     policy's config next to them). Call from a running event loop."""
     if cfg.kind == "embedded":
         if shares_lora_base(policy_model, cfg):
-            engine_model, adapters = shared_base_copy(policy_model)
+            served = engine_dtype(cfg, policy_model.device)
+            engine_model, adapters = shared_base_copy(policy_model, None if served == _base_dtype(policy_model)
+                                                      else served)
+            trainers = {t.data_ptr() for t in (*policy_model.parameters(), *kept_casts(policy_model.parameters()))}
+            owned = [t for t in itertools.chain(engine_model.parameters(), engine_model.buffers())
+                     if t.data_ptr() not in trainers]
             return await start_embedded_deployment(engine_model, tokenizer, cfg, model_name=model_name,
-                                                   sampling_timeout_s=sampling_timeout_s, weight_targets=adapters)
+                                                   sampling_timeout_s=sampling_timeout_s, weight_targets=adapters,
+                                                   owned_tensors=owned)
         engine_model = standalone_copy(policy_model)
         return await start_embedded_deployment(
             engine_model.to(engine_dtype(cfg, engine_model.device)), tokenizer, cfg, model_name=model_name,
@@ -60,18 +71,21 @@ async def start_deployment(
 
 def shares_lora_base(policy_model, cfg: DeploymentConfig) -> bool:
     """Whether the embedded engine runs `policy_model`'s LoRA adapters over the policy's own base tensors
-    (`cfg.lora_weights`); a `ConfigError` naming the obstacle when `shared` is asked for and cannot be."""
+    (`cfg.lora_weights`): in the base's dtype, or in the one the trainer keeps copies of its frozen weights in
+    (`trainer.frozen_weight_casts`); a `ConfigError` naming the obstacle when `shared` is asked for and cannot be."""
     if not is_lora(policy_model) or cfg.lora_weights == "merged":
         return False
     device = policy_model.device
-    base_dtype = policy_model.get_base_model().get_input_embeddings().weight.dtype
+    base_dtype = _base_dtype(policy_model)
     served_dtype = engine_dtype(cfg, device)
     obstacles = []
     if cfg.weight_sync != "in_process":
         obstacles.append(f"deployment.weight_sync={cfg.weight_sync!r} (a shared base is synced in process)")
-    if served_dtype != base_dtype:
-        obstacles.append(f"the engine's dtype {served_dtype} is not the trainer's weights' {base_dtype} "
-                         f"(set deployment.dtype={str(base_dtype).removeprefix('torch.')!r})")
+    if served_dtype != base_dtype and not all(cast_of(w, served_dtype) is not None
+                                              for w in frozen_matmul_weights(policy_model)):
+        obstacles.append(f"the engine's dtype {served_dtype} is not the trainer's weights' {base_dtype}, and the "
+                         f"trainer keeps no {served_dtype} copies of them (set deployment.dtype="
+                         f"{str(base_dtype).removeprefix('torch.')!r}, or trainer.frozen_weight_casts)")
     if cfg.lora_weights == "auto":
         # A CPU engine is where the copy costs the memory that matters; on CUDA the merged copy stays the default.
         return not obstacles and device.type == "cpu"
@@ -79,3 +93,7 @@ def shares_lora_base(policy_model, cfg: DeploymentConfig) -> bool:
         raise ConfigError(f"deployment.lora_weights='shared' cannot share the trainer's base: {'; '.join(obstacles)}; "
                           "or set deployment.lora_weights='merged'")
     return True
+
+
+def _base_dtype(policy_model) -> torch.dtype:
+    return policy_model.get_base_model().get_input_embeddings().weight.dtype

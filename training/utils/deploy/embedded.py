@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +64,7 @@ async def start_embedded_deployment(
     sampling_timeout_s: float = 300.0,
     weight_dir: str | Path | None = None,
     weight_targets: Mapping[str, torch.Tensor] | None = None,
+    owned_tensors: Iterable[torch.Tensor] | None = None,
 ) -> EmbeddedDeployment:
     """Start engine + server on `cfg.host:cfg.port` and return handles; call from a running event loop.
 
@@ -72,9 +73,11 @@ async def start_embedded_deployment(
     and the engine. `weight_dir` holds safetensors for `cfg.weight_sync="disk"` (default: a
     temporary directory removed at `close`). The server requires `cfg.api_key`, or a secret generated
     for this deployment when it is None; the returned handle's `api_key` is the one in force. `weight_targets`:
-    the only tensors of `model` the engine owns and a sync writes (`Engine`), for a LoRA model over the trainer's base.
+    the only tensors of `model` a sync writes, and `owned_tensors` those the engine holds itself (`Engine`), for a
+    LoRA model over the trainer's base.
     """
-    engine = Engine(model, tokenizer, cfg, default_timeout_s=sampling_timeout_s, weight_targets=weight_targets)
+    engine = Engine(model, tokenizer, cfg, default_timeout_s=sampling_timeout_s, weight_targets=weight_targets,
+                    owned_tensors=owned_tensors)
     weight_dir, own_dir = weight_dir_for(cfg.weight_sync, weight_dir if weight_dir is not None else cfg.weight_dir)
     server = InferenceServer(engine, cfg, model_name, weight_dir=weight_dir)  # loads weights from there only
     try:

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -72,11 +72,14 @@ class Engine:
     switches it to eval mode, turns off its gradients and overwrites its weights on sync.
     `weight_targets`: the only tensors a sync may write, by name, when the engine owns no more of
     `model` than those (a LoRA engine over the trainer's base, `lora.shared_base_copy`); default: all of it.
+    `owned_tensors`: the tensors of `model` the engine holds itself, which its memory counts (default: its
+    parameters and buffers; a LoRA engine over the trainer's base holds its adapters, buffers and whatever it cast).
     The thread starts here; call `close()` to stop it.
     """
 
     def __init__(self, model, tokenizer, cfg: DeploymentConfig, *, default_timeout_s: float = 300.0,
-                 weight_targets: Mapping[str, torch.Tensor] | None = None):
+                 weight_targets: Mapping[str, torch.Tensor] | None = None,
+                 owned_tensors: Iterable[torch.Tensor] | None = None):
         self.model = model.eval()
         self.model.requires_grad_(False)
         use_cpu_attention(self.model, DECODE_NAME)
@@ -106,8 +109,9 @@ class Engine:
                                                     self.max_context_tokens,
                                                     kv_bytes_per_token(model.config, self.model.dtype))
         self._prefix_cache = PrefixCache(max_tokens, max_bytes) if max_tokens and max_bytes else None
-        owned = self.model.parameters() if weight_targets is None else weight_targets.values()
-        self._memory = EngineMemory(itertools.chain(owned, self.model.buffers()))
+        owned = itertools.chain(self.model.parameters(), self.model.buffers()) if owned_tensors is None else \
+            owned_tensors
+        self._memory = EngineMemory(owned)
         # Cumulative; prompt_tokens = prefill_tokens + prefix_cache_hit_tokens (a request's prompt counts once).
         self.stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0, "weight_updates": 0,
                       "prompt_tokens": 0, "prefill_tokens": 0, "prefix_cache_hit_tokens": 0,

@@ -37,6 +37,7 @@ from training.utils.config import DeploymentConfig, RLConfig
 from training.utils.deploy import engine_dtype, shares_lora_base
 from training.utils.deploy.prefix_cache import prefix_cache_bounds
 from training.utils.errors import ConfigError
+from training.utils.frozen_casts import cast_of, kept_casts
 from training.utils.memory import GIB, current_rss_bytes, kv_bytes_per_token, peak_rss_bytes, storage_bytes
 from training.utils.trainer import Reference, Trainer, enable_activation_checkpointing
 from training.utils.trainer.logprob_head import projection_bytes
@@ -118,6 +119,8 @@ def estimate_memory(cfg: RLConfig, policy: Trainer, reference: Reference | None)
     model = policy.model
     text = model.config.get_text_config()
     counted = {"policy weights": storage_bytes(model.parameters())}
+    if casts := kept_casts(model.parameters()):
+        counted["bf16 copies of frozen weights (trainer.frozen_weight_casts)"] = storage_bytes(casts)
     if isinstance(reference, Trainer):
         counted["reference weights (kl_beta > 0)"] = storage_bytes(reference.model.parameters())
     on_host = sum(counted.values()) if policy.device.type == "cpu" else 0
@@ -130,8 +133,10 @@ def estimate_memory(cfg: RLConfig, policy: Trainer, reference: Reference | None)
     context = cfg.deployment.max_context_tokens or text.max_position_embeddings
     if cfg.deployment.kind == "embedded":
         dtype = engine_dtype(cfg.deployment, policy.device)
-        if shares_lora_base(model, cfg.deployment):  # the trainer's base tensors: the engine owns the adapters
-            served = [p for p in model.parameters() if p.requires_grad]
+        if shares_lora_base(model, cfg.deployment):  # the trainer's base tensors (or their kept casts): the engine
+            # owns the adapters, and copies what it serves in another dtype with no kept cast (norms)
+            served = [p for p in model.parameters()
+                      if p.requires_grad or (p.dtype != dtype and cast_of(p, dtype) is None)]
         else:
             served = [p for p in model.parameters() if not (policy.lora and p.requires_grad)]  # adapters merge in
         fixed["engine weights"] = sum(t.numel() * dtype.itemsize for t in itertools.chain(served, model.buffers()))

@@ -16,6 +16,7 @@ every `RSS_SAMPLE_INTERVAL_S`, which may miss a spike shorter than that. Where t
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from training.utils.allocator import active_allocator
 from training.utils.deploy import Deployment
+from training.utils.frozen_casts import kept_casts
 from training.utils.memory import GIB, current_rss_bytes, malloc_free_bytes, peak_rss_bytes, storage_bytes
 from training.utils.trainer import Reference, Trainer
 
@@ -80,14 +82,15 @@ def _sample_rss(window_ref: weakref.ref[RSSWindow], interval_s: float) -> None:
 
 def owner_bytes(policy: Trainer, reference: Reference | None, deployment: Deployment) -> dict[str, int]:
     """Bytes by owner (the metric names): the trainers' parameters (a reference `Trainer` is a second copy; a LoRA
-    policy's reference is its own base), the policy's gradients alive now, its optimizer state, the engine's parts,
-    and malloc's free bytes where glibc reports them. Safe beside a training trainer thread: every container is
-    copied whole (under the GIL) before it is read."""
+    policy's reference is its own base) with the copies of frozen ones kept cast (`frozen_casts`), the policy's
+    gradients alive now, its optimizer state, the engine's parts, and malloc's free bytes where glibc reports
+    them. Safe beside a training trainer thread: every container is copied whole (under the GIL) before it is
+    read."""
     trainers = [policy, reference] if isinstance(reference, Trainer) else [policy]
     parameters = [list(trainer.model.parameters()) for trainer in trainers]
     states = list(policy.optimizer.state.values())
     owners = {
-        "mem/trainer_params": storage_bytes(p for params in parameters for p in params),
+        "mem/trainer_params": storage_bytes(itertools.chain(*parameters, kept_casts(itertools.chain(*parameters)))),
         "mem/trainer_grads": storage_bytes(p.grad for p in parameters[0]),
         "mem/optimizer_state": storage_bytes(v for state in states for v in list(state.values())
                                              if isinstance(v, Tensor)),

@@ -69,7 +69,7 @@ from training.utils.trainer.batching import (
 from training.utils.trainer.compiled import CompiledLayers
 from training.utils.trainer.logprob_head import token_logprobs
 from training.utils.trainer.optim import guarded_step, lr_multiplier, max_abs, param_groups
-from training.utils.trainer.precision import autocast, resolve_precision, weight_dtype
+from training.utils.trainer.precision import autocast, keep_frozen_casts, resolve_precision, weight_dtype
 from training.utils.trainer.sharding import MetricTotals, ShardedRoot, gather_to_main, unsharded_copy
 from training.utils.trainer.shared_prefix import PrefixBundle, PrefixSharing, prefix_bundles, shared_prefix_mask
 
@@ -149,6 +149,8 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model, cfg.recompute_attention)
         self._shard_if_distributed()
+        if self.lora:
+            keep_frozen_casts(model, cfg, self.precision, sharded=self._sharded_root is not None)
         if cfg.compile_layers:
             self.compiled_layers = CompiledLayers(model)
         self.optimizer = torch.optim.AdamW(

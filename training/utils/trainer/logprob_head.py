@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from training.utils.frozen_casts import cast_of
+
 BLOCK_ELEMENTS = 1 << 22
 """Logits per block (tokens × vocabulary columns) on a CPU: 16 MiB in float32, under glibc's largest mmap threshold,
 so a block's buffers are recycled by malloc instead of mapped and faulted in anew."""
@@ -216,12 +218,14 @@ def token_logprobs(
 
 def _matmul_operands(lm_head: torch.nn.Linear, hidden_NH: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
     """The head's weight, bias and the hidden states in the dtype its matmul runs in: autocast's where autocast is
-    on (cast once per call, as autocast caches it), else the weight's."""
+    on (the weight's kept cast where the trainer keeps one, `frozen_casts`, else cast once per call, as autocast
+    caches it), else the weight's."""
     device_type = hidden_NH.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else \
         lm_head.weight.dtype
     bias = lm_head.bias.to(dtype) if lm_head.bias is not None else None
-    return lm_head.weight.to(dtype), bias, hidden_NH.to(dtype)
+    weight = cast_of(lm_head.weight, dtype)
+    return lm_head.weight.to(dtype) if weight is None else weight, bias, hidden_NH.to(dtype)
 
 
 def _cat(chunks: list[Tensor], like: Tensor) -> Tensor:

@@ -8,6 +8,9 @@ import contextlib
 import torch
 
 from training.utils.config import TrainerConfig
+from training.utils.errors import ConfigError
+from training.utils.frozen_casts import keep_casts
+from training.utils.lora import frozen_matmul_weights
 from training.utils.model import native_bf16
 
 
@@ -34,3 +37,20 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     if precision == "bf16-autocast":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+
+def keep_frozen_casts(model: torch.nn.Module, cfg: TrainerConfig, precision: str, *, sharded: bool) -> None:
+    """Keep bfloat16 copies of a LoRA model's frozen matmul weights (`frozen_casts`) as `cfg.frozen_weight_casts`
+    says: under bf16 autocast, on a CPU (`auto`) or anywhere (`on`), never under FSDP2, which gathers the weights
+    per use."""
+    if cfg.frozen_weight_casts == "off" or precision != "bf16-autocast":
+        return
+    if sharded:
+        if cfg.frozen_weight_casts == "on":
+            raise ConfigError("trainer.frozen_weight_casts='on' does not apply under torchrun: FSDP2 gathers each "
+                              "weight per use; set it to 'auto' or 'off'")
+        return
+    weights = frozen_matmul_weights(model)
+    if cfg.frozen_weight_casts == "on" or all(w.device.type == "cpu" for w in weights):
+        keep_casts(weights, compute_dtype(precision))
