@@ -15,8 +15,9 @@ Every layout trains the same datums on the same model, one after the other:
 - shared: `TrainerConfig.share_prefixes="on"`, a group's prompt computed once in its row.
 Each in each `--variants` (a fresh copy of the model each): `full` trains every weight, `lora<r>` rank-r
 adapters on the attention and MLP projections (the trainer's `lora_layers.AddedLoraLinear`; `lora<r>+peft` with
-peft's own layer forward instead); `+ckpt` recomputes activations in the backward (`--gradient-checkpointing` adds
-it to every variant).
+peft's own layer forward instead; `lora<r>+percast` with the frozen base cast in every use, not kept cast once under
+bf16 autocast); `+ckpt` recomputes activations in the backward (`--gradient-checkpointing` adds it to every variant).
+Within a layout the variants take turns step by step, so that a machine whose speed drifts slows them alike.
 
     python benchmarks/trainer_throughput.py --shape smollm2-135m --batch 8 --seq-len 256 --steps 2
     python benchmarks/trainer_throughput.py --shape smollm2-135m --workload main-job --batch 64 \\
@@ -26,10 +27,14 @@ it to every variant).
     python benchmarks/trainer_throughput.py --shape llama-1b --batch 64 --seq-len 2048 \\
         --max-tokens-per-microbatch 16384 --attn flex_attention      # one H100
 
-`--shape` builds a randomly initialized model of a known architecture (no weights needed);
+The script restarts on mimalloc as the examples do (`TRAINING_ALLOCATOR=system` keeps glibc's malloc, as before the
+twenty-sixth session). `--shape` builds a randomly initialized model of a known architecture (no weights needed);
 `--model` loads an alias or a local directory instead. Tokens/s counts real (unpadded) tokens;
 `computed` is what the trainer ran through the model (`forward_backward`'s "tokens_computed").
 
+`model_mfu` is what a run's `perf/trainer_mfu` reads: the model FLOPs the trainer counts (`training.utils.flops`:
+what was computed, LoRA's frozen weights without weight gradients) over `forward_backward`'s time and the machine's
+measured peak for the compute dtype (`machine_peak.py`). The other columns compare layouts and variants:
 MFU = useful FLOPs / time / peak, with useful FLOPs per step = 6 × (decoder matmul parameters ×
 all tokens + lm_head parameters × trained tokens) + 6 × layers × attention width × Σ length²
 (causal attention, forward and backward), full fine-tuning's for every variant, so that MFU compares
@@ -37,18 +42,25 @@ their times. Recomputation and padding are not useful work. The peak is the bf16
 known GPU (H100/H200: 989 TFLOP/s) or `--peak-tflops`.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - the allocator's restart before torch loads
 
 import argparse
 import copy
 import re
 import time
 
-import torch
+from training import restart_with_allocator
 
-from training.utils.config import TrainerConfig
-from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer
-from training.utils.trainer import Datum, MicroBatch, Trainer, weight_dtype
+if __name__ == "__main__":
+    restart_with_allocator()  # mimalloc, as the recipes' runs (`TRAINING_ALLOCATOR=system` keeps glibc's malloc)
+
+import torch  # noqa: E402
+
+from training.utils import machine_peak  # noqa: E402
+from training.utils.config import TrainerConfig  # noqa: E402
+from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer  # noqa: E402
+from training.utils.trainer import Datum, MicroBatch, Trainer, weight_dtype  # noqa: E402
+from training.utils.trainer.precision import compute_dtype, resolve_precision  # noqa: E402
 
 SHAPES = {
     # SmolLM2-135M-Instruct's architecture.
@@ -65,9 +77,10 @@ GROUPED_WORKLOADS = {"main-job": (46, 4, 12), "trl": (47, 24, 24), "multi-turn":
 LAYOUTS = {"padded": dict(share_prefixes="off"), "packed": dict(share_prefixes="off", pack_sequences=True),
            "shared": dict(share_prefixes="on")}
 """The `TrainerConfig` fields of each layout."""
-VARIANT = r"(?:full|lora([1-9][0-9]*)(?:\+peft)?)(?:\+ckpt)?"
-"""A `--variants` entry: what trains (every weight, or rank-r adapters, `+peft` run by peft's own layers), and whether
-activations are recomputed."""
+VARIANT = r"(?:full|lora([1-9][0-9]*)(?:\+peft)?(?:\+percast)?)(?:\+ckpt)?"
+"""A `--variants` entry: what trains (every weight, or rank-r adapters, `+peft` run by peft's own layers, `+percast`
+casting the frozen base in every use instead of once, `trainer.frozen_weight_casts="off"`), and whether activations
+are recomputed."""
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 """Dense bf16 tensor-core peaks from the vendor's spec sheets (SXM parts)."""
 
@@ -89,7 +102,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast", "bf16"])
     parser.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, flex_attention, eager, ...)")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="add +ckpt to every variant")
-    parser.add_argument("--variants", default="full", help="comma-separated: full or lora<rank>, each optionally +ckpt")
+    parser.add_argument("--variants", default="full",
+                        help="comma-separated: full or lora<rank>[+peft][+percast], each optionally +ckpt")
     parser.add_argument("--compile-layers", action="store_true", help="TrainerConfig.compile_layers")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: known GPUs)")
@@ -99,14 +113,15 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--layouts takes {', '.join(LAYOUTS)}, got {sorted(unknown)}")
     bad = [v for v in args.variants.split(",") if not re.fullmatch(VARIANT, v)]
     if bad:
-        parser.error(f"--variants takes full or lora<rank>[+peft], each optionally +ckpt, got {bad}")
+        parser.error(f"--variants takes full or lora<rank>[+peft][+percast], each optionally +ckpt, got {bad}")
     return args
 
 
 def variant_fields(variant: str, args: argparse.Namespace) -> dict:
     """The `TrainerConfig` fields of a `--variants` entry."""
     rank = re.fullmatch(VARIANT, variant).group(1)
-    return dict(lora_rank=int(rank or 0), gradient_checkpointing=args.gradient_checkpointing or "+ckpt" in variant)
+    return dict(lora_rank=int(rank or 0), gradient_checkpointing=args.gradient_checkpointing or "+ckpt" in variant,
+                frozen_weight_casts="off" if "+percast" in variant else "auto")
 
 
 def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -194,31 +209,36 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_layout(model, datums, args, device, layout: str, variant: str) -> tuple[float, float, float]:
-    """Seconds per optimizer step and of its `forward_backward` alone, averaged over `args.steps` after
-    `args.warmup`, on a copy of `model`; tokens computed per step."""
-    cfg = TrainerConfig(learning_rate=1e-6, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-                        precision=args.precision, compile_layers=args.compile_layers, **LAYOUTS[layout],
-                        **variant_fields(variant, args))
-    trainer = Trainer(copy.deepcopy(model), cfg)
-    if "+peft" in variant:
-        from training.utils.lora_layers import use_peft_forward
+def time_layout(model, datums, args, device, layout: str, variants: list[str]) -> dict[str, tuple[float, float, float]]:
+    """Per variant: seconds per optimizer step and of its `forward_backward` alone, averaged over `args.steps` after
+    `args.warmup`, each on a copy of `model`, the variants taking turns step by step; tokens computed per step."""
+    trainers = {}
+    for variant in variants:
+        cfg = TrainerConfig(learning_rate=1e-6, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                            precision=args.precision, compile_layers=args.compile_layers, **LAYOUTS[layout],
+                            **variant_fields(variant, args))
+        trainers[variant] = trainer = Trainer(copy.deepcopy(model), cfg)
+        if "+peft" in variant:
+            from training.utils.lora_layers import use_peft_forward
 
-        use_peft_forward(trainer.model)
-    for _ in range(args.warmup):
-        trainer.forward_backward(datums, pg_loss)
-        trainer.optim_step()
-    step_s = fwd_bwd_s = 0.0
+            use_peft_forward(trainer.model)
+    for trainer in trainers.values():
+        for _ in range(args.warmup):
+            trainer.forward_backward(datums, pg_loss)
+            trainer.optim_step()
+    step_s, fwd_bwd_s, computed, model_flops = (dict.fromkeys(variants, 0.0) for _ in range(4))
     for _ in range(args.steps):
-        synchronize(device)
-        start = time.perf_counter()
-        computed = trainer.forward_backward(datums, pg_loss)["tokens_computed"]
-        synchronize(device)
-        fwd_bwd_s += time.perf_counter() - start
-        trainer.optim_step()
-        synchronize(device)
-        step_s += time.perf_counter() - start
-    return step_s / args.steps, fwd_bwd_s / args.steps, computed
+        for variant, trainer in trainers.items():
+            synchronize(device)
+            flops_before, start = trainer.flops, time.perf_counter()
+            computed[variant] = trainer.forward_backward(datums, pg_loss)["tokens_computed"]
+            synchronize(device)
+            fwd_bwd_s[variant] += time.perf_counter() - start
+            model_flops[variant] = trainer.flops - flops_before
+            trainer.optim_step()
+            synchronize(device)
+            step_s[variant] += time.perf_counter() - start
+    return {v: (step_s[v] / args.steps, fwd_bwd_s[v] / args.steps, computed[v], model_flops[v]) for v in variants}
 
 
 def main() -> None:
@@ -245,11 +265,17 @@ def main() -> None:
     )
     step_s, fwd_bwd_s = {}, {}
     variants = args.variants.split(",")
-    for layout, variant in ((layout, variant) for layout in args.layouts.split(",") for variant in variants):
+    timed = {(layout, variant): result for layout in args.layouts.split(",")
+             for variant, result in time_layout(model, datums, args, device, layout, variants).items()}
+    machine = machine_peak.peak_flops(device, compute_dtype(resolve_precision(TrainerConfig(precision=args.precision),
+                                                                            device))).value
+    for (layout, variant), (step, fwd_bwd, computed, model_flops) in timed.items():
         key = layout, variant
-        step_s[key], fwd_bwd_s[key], computed = time_layout(model, datums, args, device, layout, variant)
+        step_s[key], fwd_bwd_s[key] = step, fwd_bwd
         line = f"{layout:7s} {variant:12s} step_s={step_s[key]:.3f} fwd_bwd_s={fwd_bwd_s[key]:.3f}"
         line += f" train_tokens_per_s={tokens / step_s[key]:.0f} computed={computed:.0f}"
+        # What a run's `perf/trainer_mfu` reads: the model FLOPs the trainer counted, over forward_backward's time.
+        line += f" model_mfu={model_flops / fwd_bwd / machine:.3f}"
         line += f" useful_tflops={flops / step_s[key] / 1e12:.2f}"
         if peak:
             line += f" mfu={flops / step_s[key] / (peak * 1e12):.3f} (peak {peak} TFLOP/s)"
