@@ -64,10 +64,10 @@ def cast_of(param: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 def autocast_cast_of(param: Tensor) -> Tensor | None:
     """`param`'s kept copy in the dtype autocast computes in on `param`'s device, where autocast is on there and
-    a copy in that dtype is kept; else None."""
+    a copy in that dtype is kept, outside a graph being compiled; else None."""
     device_type = param.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return None
+    if not torch.is_autocast_enabled(device_type) or torch.compiler.is_compiling():
+        return None  # compiled layers (`trainer.compile_layers`) cast inside their graph, as before
     return cast_of(param, torch.get_autocast_dtype(device_type))
 
 
