@@ -23,8 +23,12 @@ SCRIPTS = {
     "trainer_throughput": (["--model", "tiny-random", "--batch", "4", "--seq-len", "64", "--steps", "1",
                             "--warmup", "0", "--variants", "full,lora4+ckpt,lora4+peft"],
                            "lora4+peft_over_full_speedup"),
+    "trainer_throughput bf16": (["--model", "tiny-random", "--batch", "4", "--seq-len", "64", "--steps", "1",
+                                 "--warmup", "0", "--variants", "lora4,lora4+percast", "--precision",
+                                 "bf16-autocast"], "lora4+percast_over_lora4_speedup"),
     "machine_peak": ([], "float32"),
     "lora_engine": (["--model", "tiny-random", "--repeats", "1"], "added"),
+    "lora_engine bf16": (["--model", "tiny-random", "--repeats", "1", "--dtype", "bfloat16"], "unmerged"),
     "eval_spread": (["--example", "multi_turn", "--runs", "1", "--no-shipped", "--arm", 'cosine={"trainer": '
                      '{"lr_schedule": "cosine"}}', "--set", '{"model": "tiny-random", "max_steps": 1, "sampling": '
                      '{"max_tokens": 4}, "completions_per_prompt": 2, "prompt_groups_per_step": 2}'],
@@ -39,7 +43,9 @@ SCRIPTS = {
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_benchmark_script_runs(script, tmp_path):
+    """`script` is the script's name, then what its arguments try where one script has two entries."""
     args, expected = SCRIPTS[script]
+    script = script.split()[0]
     env = os.environ | {"PYTHONPATH": str(REPO)}
     if script == "machine_peak":  # probes into a cache of its own, so the machine's cached peaks stay as measured
         env["TRAINING_CACHE_DIR"] = str(tmp_path / "cache")

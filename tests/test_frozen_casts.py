@@ -99,6 +99,11 @@ def test_only_frozen_weights_keep_casts_and_only_where_the_setting_says():
     adapter = next(p for p in kept.model.parameters() if p.requires_grad)
     with pytest.raises(ValueError, match="trains"):
         keep_casts([adapter], torch.bfloat16)
+    base = frozen_matmul_weights(kept.model)[0]
+    base.requires_grad_(True)  # unfrozen after its cast was made: the cast no longer stands in for it
+    assert cast_of(base, torch.bfloat16) is None
+    base.requires_grad_(False)
+    assert cast_of(base, torch.bfloat16) is not None
     for setting, precision, sharded in (("off", "bf16-autocast", False), ("auto", "fp32", False),
                                         ("auto", "bf16-autocast", True)):
         model, _ = load_model_and_tokenizer("tiny-random", device="cpu")

@@ -55,9 +55,10 @@ def keep_casts(params: Iterable[Tensor], dtype: torch.dtype) -> None:
 
 
 def cast_of(param: Tensor, dtype: torch.dtype) -> Tensor | None:
-    """`param`'s kept copy in `dtype` (rewritten first if `param` was written since), or None where none is kept."""
+    """`param`'s kept copy in `dtype` (rewritten first if `param` was written since), or None where none is kept or
+    `param` trains now (a copy would cut its gradient off)."""
     cast = _CASTS.get(param)
-    if cast is None or cast.tensor.dtype != dtype:
+    if cast is None or cast.tensor.dtype != dtype or param.requires_grad:
         return None
     return cast.current(param)
 
