@@ -224,7 +224,7 @@ def shared_base_copy(model: torch.nn.Module, dtype: torch.dtype | None = None
 
     With a `dtype` other than the base's, the copy serves in `dtype`: its matmul weights are the copies the trainer
     keeps in that dtype (`frozen_casts`; every one of `frozen_matmul_weights` must have one), and the rest (the
-    adapters, norms, buffers) are its own, cast.
+    adapters, norms, buffers) are its own, cast. In the base's dtype (or None) every frozen tensor is shared.
 
     Safe because a LoRA trainer never writes its base: only the adapters have gradients and optimizer state.
     The engine then computes the function the trainer differentiates (the same unmerged matmuls), not a merge of it.

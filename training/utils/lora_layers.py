@@ -40,10 +40,10 @@ class AddedLoraLinear(PeftLinear):
     """
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        if self.disable_adapters and not (args or kwargs or self.merged) and \
-                (weight := autocast_cast_of(self.base_layer.weight)) is not None:
-            return torch.nn.functional.linear(x, weight, self.base_layer.bias)  # the base alone, its weight cast once
         if args or kwargs or self.disable_adapters or self.merged or self.active_adapters != [ADAPTER]:
+            if self.disable_adapters and not (args or kwargs or self.merged) and \
+                    (weight := autocast_cast_of(self.base_layer.weight)) is not None:
+                return torch.nn.functional.linear(x, weight, self.base_layer.bias)  # the base alone, cast once
             return super().forward(x, *args, **kwargs)
         lora_A, lora_B = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight
         one_dtype = lora_A.dtype == lora_B.dtype == self.base_layer.weight.dtype

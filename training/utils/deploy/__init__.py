@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-
 from training.utils.config import DeploymentConfig
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.embedded import EmbeddedDeployment, engine_dtype, start_embedded_deployment
@@ -49,9 +47,7 @@ async def start_deployment(
     policy's config next to them). Call from a running event loop."""
     if cfg.kind == "embedded":
         if shares_lora_base(policy_model, cfg):
-            served = engine_dtype(cfg, policy_model.device)
-            engine_model, adapters = shared_base_copy(policy_model, None if served == _base_dtype(policy_model)
-                                                      else served)
+            engine_model, adapters = shared_base_copy(policy_model, engine_dtype(cfg, policy_model.device))
             trainers = {t.data_ptr() for t in (*policy_model.parameters(), *kept_casts(policy_model.parameters()))}
             owned = [t for t in itertools.chain(engine_model.parameters(), engine_model.buffers())
                      if t.data_ptr() not in trainers]
@@ -76,7 +72,7 @@ def shares_lora_base(policy_model, cfg: DeploymentConfig) -> bool:
     if not is_lora(policy_model) or cfg.lora_weights == "merged":
         return False
     device = policy_model.device
-    base_dtype = _base_dtype(policy_model)
+    base_dtype = policy_model.get_base_model().get_input_embeddings().weight.dtype
     served_dtype = engine_dtype(cfg, device)
     obstacles = []
     if cfg.weight_sync != "in_process":
@@ -93,7 +89,3 @@ def shares_lora_base(policy_model, cfg: DeploymentConfig) -> bool:
         raise ConfigError(f"deployment.lora_weights='shared' cannot share the trainer's base: {'; '.join(obstacles)}; "
                           "or set deployment.lora_weights='merged'")
     return True
-
-
-def _base_dtype(policy_model) -> torch.dtype:
-    return policy_model.get_base_model().get_input_embeddings().weight.dtype
