@@ -34,6 +34,7 @@ SCRIPTS = {
                      '{"max_tokens": 4}, "completions_per_prompt": 2, "prompt_groups_per_step": 2}'],
                     "over 1 runs, range"),
     "openmp_threads": (["--model", "tiny-random", "--context", "16", "--steps", "2"], "second thread"),
+    "cpu_sharing": (["--model", "tiny-random", "--units", "1", "--seconds", "2"], "async/rl_loop at most"),
     "logprob_head": (["--vocab", "300", "--hidden", "16", "--tokens", "40", "--chunk-tokens", "16", "--entropy",
                       "--repeats", "1"], "speed-up of blocked"),
     "cpu_attention": (["--model", "tiny-random", "--groups", "2", "--group-size", "2", "--max-tokens", "4",

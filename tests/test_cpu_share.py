@@ -1,10 +1,13 @@
 """While a trainer computes on the CPU, the embedded engine runs half of its torch threads; otherwise all of
-them, and the trainer always all of its own (training/utils/cpu_share.py)."""
+them, and the trainer always all of its own; the shared clock runs while both compute
+(training/utils/cpu_share.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import types
 
 import pytest
 import torch
@@ -138,4 +141,42 @@ def _engine_threads_while_generating() -> set[int]:
 def test_the_engine_shares_the_cores_only_while_the_trainer_computes(trainer_computing, monkeypatch):
     if trainer_computing:  # what a trainer's computing call on another thread holds
         monkeypatch.setattr(cpu_share, "_trainer_calls", 1)
+    shared_before = cpu_share.shared_seconds()
     assert _engine_threads_while_generating() == {FULL // 2 if trainer_computing else FULL}
+    # The engine's steps ran on the shared clock only beside a computing trainer.
+    assert (cpu_share.shared_seconds() > shared_before) == trainer_computing
+
+
+def test_the_shared_clock_runs_exactly_while_a_cpu_trainer_and_the_engine_both_compute(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(cpu_share, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    start = cpu_share.shared_seconds()
+    engine = contextlib.ExitStack()  # the engine's steps, entered and left across the trainer's call
+    seen = []
+
+    class CpuTrainer:
+        device = torch.device("cpu")
+        cpu_threads = FULL
+
+        @cpu_share.trainer_compute
+        def compute(self):
+            now[0] += 1.0  # the trainer alone
+            engine.enter_context(cpu_share.engine_step(FULL))
+            now[0] += 2.0  # both
+            seen.append(cpu_share.shared_seconds() - start)  # read while it runs
+            engine.close()
+            now[0] += 1.0  # alone again
+            engine.enter_context(cpu_share.engine_step(FULL))
+            now[0] += 0.5  # both, until the trainer's call returns
+
+    class GpuTrainer(CpuTrainer):
+        device = torch.device("cuda")
+
+    CpuTrainer().compute()
+    now[0] += 4.0  # the engine alone
+    engine.close()
+    assert seen == [2.0]
+    assert cpu_share.shared_seconds() - start == 2.5
+    GpuTrainer().compute()  # a GPU trainer shares no cores with the engine
+    assert cpu_share.shared_seconds() - start == 2.5
+    assert not cpu_share.trainer_computing()

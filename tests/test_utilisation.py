@@ -20,7 +20,7 @@ import torch
 from transformers import GPT2Config, MixtralConfig
 
 from training.recipes import async_rl_loop, rl_loop
-from training.utils import machine_peak
+from training.utils import cpu_share, machine_peak
 from training.utils.config import DeploymentConfig, SamplingConfig, TrainerConfig
 from training.utils.flops import cached_forward_flops, causal_pairs, decoder_shape, forward_flops
 from training.utils.logging import read_ledger
@@ -231,7 +231,9 @@ class CountingDeployment:
         return dict(self.stats)
 
 
-def test_utilisation_divides_what_grew_since_the_last_step(probes):
+def test_utilisation_divides_what_grew_since_the_last_step(probes, monkeypatch):
+    shared_seconds = [7.0]  # the process's shared clock (cpu_share), before the run's first step
+    monkeypatch.setattr(cpu_share, "shared_seconds", lambda: shared_seconds[0])
     shape = decoder_shape(tiny_config(260))
     policy = SimpleNamespace(flops=0.0, precision="fp32", device=torch.device("cpu"), flop_shape=shape,
                              model=torch.nn.Linear(10, 10))  # 110 weights: 440 bytes in float32
@@ -244,6 +246,7 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes):
     times = {"perf/step_time": 2.0, "perf/train_time": 1.0, "perf/rollout_wait_time": 0.8,
              "perf/weight_sync_time": 0.1, "perf/fwd_bwd_time": 0.6, "perf/ref_forward_time": 0.2,
              "perf/old_policy_forward_time": 0.0, "perf/optim_step_time": 0.1}
+    shared_seconds[0] = 7.25  # the engine computed beside the trainer for a quarter of its second
     first = utilisation.step_metrics(times, policy, None, deployment)
     # The prefill as 8 whole prompts of 5 tokens: 40·147456 + 8·33280 + 8·15·512 FLOPs in 1 ms, against 1e12 FLOP/s.
     prefill = 40 * PER_TOKEN + 8 * PER_PROJECTED + 120 * PER_PAIR
@@ -251,25 +254,29 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes):
     # 1e12 / (147456 + 33280) tokens/s whatever the rows; reading 440 bytes a step at 1e10 B/s, 8 rows a step.
     compute_bound = 1e12 / (PER_TOKEN + PER_PROJECTED)
     assert first == pytest.approx({"perf/trainer_mfu": 3e9 / 1.0 / 1e12, "perf/trainer_tflops": 3e9 / 1e12,
+                                   "perf/trainer_cpu_shared_frac": 0.25,
                                    "perf/engine_prefill_mfu": prefill / 0.001 / 1e12,
                                    "perf/engine_decode_tokens_per_s": 64.0,
                                    "perf/engine_decode_bound_tokens_per_s": 1e10 / 440 * 8,
                                    "perf/engine_decode_compute_bound_tokens_per_s": compute_bound})
     # The next step: only what grew. No prefill and no decode this time; the trainer's FLOPs grew by 1e9.
     policy.flops = 4e9
+    shared_seconds[0] = 7.75
     second = utilisation.step_metrics(times, policy, None, deployment)
-    assert second == pytest.approx({"perf/trainer_mfu": 1e9 / 1e12, "perf/trainer_tflops": 1e9 / 1e12})
+    assert second == pytest.approx({"perf/trainer_mfu": 1e9 / 1e12, "perf/trainer_tflops": 1e9 / 1e12,
+                                    "perf/trainer_cpu_shared_frac": 0.5})
     summary = utilisation.summary()
     assert summary == pytest.approx({
         "rollout_wait_share": 0.4, "train_share": 0.5, "weight_sync_share": 0.05, "ref_forward_share": 0.1,
         "old_policy_forward_share": 0.0, "fwd_bwd_share": 0.3, "optim_step_share": 0.05,
-        "trainer_mfu": 4e9 / 2.0 / 1e12, "engine_prefill_mfu": prefill / 0.001 / 1e12,
+        "trainer_mfu": 4e9 / 2.0 / 1e12, "trainer_cpu_shared_frac": 0.75 / 2.0,
+        "engine_prefill_mfu": prefill / 0.001 / 1e12,
         "engine_decode_tokens_per_s": 64.0, "engine_decode_bound_tokens_per_s": 1e10 / 440 * 8,
         "engine_decode_compute_bound_tokens_per_s": compute_bound})
     text = utilisation.summary_text()
     assert "rollout_wait 40%, train 50%, weight_sync 5% (of it ref_forward 10%" in text
     # The bounds as printed, the smaller first: compute 5,532,932 tokens/s, against 181,818,182 from the bandwidth.
-    assert "trainer 0.2% of the float32 peak" in text
+    assert "trainer 0.2% of the float32 peak (the engine computed on the same cores for 38% of it)" in text
     assert ("decode 64 tokens/s of the 5532932 its bounds allow (5532932 at the float32 peak, 181818182 at the memory "
             "bandwidth)") in text
 
@@ -280,7 +287,7 @@ def test_an_external_server_gets_no_engine_utilisation(probes):
                              flop_shape=decoder_shape(tiny_config(260)), model=torch.nn.Linear(2, 2))
     metrics = Utilisation.for_run(policy, DeploymentConfig()).step_metrics({"perf/train_time": 1.0}, policy, None,
                                                                           deployment)
-    assert set(metrics) == {"perf/trainer_mfu", "perf/trainer_tflops"}
+    assert set(metrics) == {"perf/trainer_mfu", "perf/trainer_tflops"}  # nor the shared clock: another process
 
 
 def test_a_model_whose_flops_are_not_counted_gets_only_the_bandwidth_bound(probes):
@@ -324,5 +331,7 @@ def test_both_recipes_log_utilisation_every_step(recipe, probes, tmp_path):
         assert 0 < record["perf/trainer_mfu"] <= 1 and 0 < record["perf/engine_prefill_mfu"] <= 1
         assert record["perf/trainer_tflops"] == pytest.approx(record["perf/trainer_mfu"])  # a peak of 1 TFLOP/s
         assert all(math.isfinite(record[key]) and record[key] > 0 for key in UTILISATION_KEYS)
+        # The embedded engine beside a CPU trainer: rl_loop samples between training passes, so next to none.
+        assert 0 <= record["perf/trainer_cpu_shared_frac"] <= (0.05 if recipe is rl_loop else 1)
     assert 0 < summary["utilisation"]["trainer_mfu"] <= 1
     assert summary["utilisation"]["train_share"] > 0

@@ -11,6 +11,7 @@ thread-safety rules: docs/engine-decode-loop.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -282,9 +283,9 @@ class Engine:
                     if update is not None:
                         self._apply_update(update)
                     self._drop_cancelled_rows()
-                    if on_cpu:
-                        cpu_share.take_engine_threads(full_threads)  # half while a trainer computes
-                    with torch.inference_mode():
+                    # On a CPU: half its threads while a trainer computes, and counted on the shared clock.
+                    sharing = cpu_share.engine_step(full_threads) if on_cpu else contextlib.nullcontext()
+                    with sharing, torch.inference_mode():
                         if admitted:
                             self._timed("prefill_time_s", self._prefill, admitted)
                         if self._rows:

@@ -24,8 +24,10 @@ over `train_time` and the peak of their compute dtype (`trainer_mfu`, `trainer_t
 FLOPs over its prefill time and the peak of its dtype (`engine_prefill_mfu`); its decode rate beside the two bounds
 the machine sets, reading the weights at the memory bandwidth (`engine_decode_bound_tokens_per_s`) and their matmuls
 at the peak (`engine_decode_compute_bound_tokens_per_s`): with many rows a step on a CPU is bound by arithmetic.
-The peaks come from `machine_peak`, measured once per machine and cached. At the end of a run,
-`Utilisation.summary_text()`: where the step time went, and the run's mean utilisation.
+With an embedded engine beside a CPU trainer, `trainer_cpu_shared_frac`: the share of `train_time` in which the
+engine computed on the same cores (`cpu_share.shared_seconds`), where both run slower than alone. The peaks
+come from `machine_peak`, measured once per machine and cached. At the end of a run, `Utilisation.summary_text()`:
+where the step time went, and the run's mean utilisation.
 
 `rollout/inference_drift_k1|k3`: how far the distribution the engine sampled from (`logprobs`, μ)
 is from its raw one (`raw_logprobs`, before temperature and top-p/top-k; ρ), on the trained tokens
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from training.utils import machine_peak
+from training.utils import cpu_share, machine_peak
 from training.utils.config import DeploymentConfig
 from training.utils.deploy import Deployment, engine_dtype
 from training.utils.flops import cached_forward_flops, forward_flops
@@ -167,8 +169,9 @@ class Utilisation:
         weight_bytes = float(sum(p.numel() for p in policy.model.parameters()) * dtypes["engine"].itemsize)
         token_flops = None if policy.flop_shape is None else forward_flops(policy.flop_shape, tokens=1,
                                                                            attention_pairs=0, projected=1)
+        # The shared clock is the process's: a run counts from where it stood when the run began.
         return cls(peaks, {name: str(dtype).removeprefix("torch.") for name, dtype in dtypes.items()}, weight_bytes,
-                   token_flops)
+                   token_flops, last={"cpu_shared_s": cpu_share.shared_seconds()})
 
     def step_metrics(self, metrics: dict, policy: Trainer, reference: Reference | None,
                      deployment: Deployment) -> dict[str, float]:
@@ -177,25 +180,35 @@ class Utilisation:
         self.steps += 1
         for part in ("step", *STEP_PARTS, *PHASES):
             self.totals[part] += metrics.get(f"perf/{part}_time", 0.0)
-        return self._trainer(metrics.get("perf/train_time", 0.0), policy, reference) | self._engine(deployment,
-                                                                                                   policy)
+        stats = deployment.engine_stats()
+        # An embedded engine (the only kind with counters) computes on the trainer's cores when both are on a CPU.
+        shares_cpu = bool(stats) and policy.device.type == "cpu"
+        train_time = metrics.get("perf/train_time", 0.0)
+        return self._trainer(train_time, policy, reference, shares_cpu) | self._engine(stats, policy)
 
     def _grown(self, name: str, value: float) -> float:
         grown, self.last[name] = value - self.last.get(name, 0.0), value
         return grown
 
-    def _trainer(self, train_time: float, policy: Trainer, reference: Reference | None) -> dict[str, float]:
+    def _trainer(self, train_time: float, policy: Trainer, reference: Reference | None,
+                 shares_cpu: bool) -> dict[str, float]:
         # A LoRA policy's reference is the policy with its adapters off: its forwards are on the policy's counter.
         flops = self._grown("trainer_flops", policy.flops + (reference.flops if isinstance(reference, Trainer) else 0))
+        # Grown every step, so a step that did not train does not hand its shared seconds to the next one.
+        shared = self._grown("cpu_shared_s", cpu_share.shared_seconds()) if shares_cpu else None
         if flops <= 0 or train_time <= 0:
             return {}
         self.totals["trainer_flops"] += flops
         self.totals["trainer_time"] += train_time
-        return {"perf/trainer_mfu": flops / train_time / self.peaks["trainer"],
-                "perf/trainer_tflops": flops / train_time / 1e12}
+        metrics = {"perf/trainer_mfu": flops / train_time / self.peaks["trainer"],
+                   "perf/trainer_tflops": flops / train_time / 1e12}
+        if shared is not None:
+            self.totals["cpu_shared_s"] += shared
+            self.totals["cpu_shared_train_time"] += train_time
+            metrics["perf/trainer_cpu_shared_frac"] = shared / train_time
+        return metrics
 
-    def _engine(self, deployment: Deployment, policy: Trainer) -> dict[str, float]:
-        stats = deployment.engine_stats()
+    def _engine(self, stats: dict, policy: Trainer) -> dict[str, float]:
         if not stats:
             return {}
         grown = {key: self._grown(key, float(stats[key])) for key in
@@ -234,6 +247,8 @@ class Utilisation:
             summary |= {f"{part}_share": t[part] / t["step"] for part in (*STEP_PARTS, *phases)}
         if t["trainer_time"] > 0:
             summary["trainer_mfu"] = t["trainer_flops"] / t["trainer_time"] / self.peaks["trainer"]
+        if t["cpu_shared_train_time"] > 0:
+            summary["trainer_cpu_shared_frac"] = t["cpu_shared_s"] / t["cpu_shared_train_time"]
         if t["prefill_time"] > 0:
             summary["engine_prefill_mfu"] = t["prefill_flops"] / t["prefill_time"] / self.peaks["engine"]
         if t["decode_time_s"] > 0:
@@ -253,6 +268,8 @@ class Utilisation:
         use = []
         if "trainer_mfu" in s:
             use.append(f"trainer {s['trainer_mfu']:.1%} of the {self.dtypes['trainer']} peak")
+            if s.get("trainer_cpu_shared_frac", 0) > 0:
+                use[-1] += f" (the engine computed on the same cores for {s['trainer_cpu_shared_frac']:.0%} of it)"
         if "engine_prefill_mfu" in s:
             use.append(f"engine prefill {s['engine_prefill_mfu']:.1%} of the {self.dtypes['engine']} peak")
         if "engine_decode_tokens_per_s" in s:
