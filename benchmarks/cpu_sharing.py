@@ -39,12 +39,13 @@ if __name__ == "__main__":
     restart_with_allocator()  # mimalloc, as the recipes' runs (`TRAINING_ALLOCATOR=system` keeps glibc's malloc)
 
 import torch  # noqa: E402
+from trainer_throughput import grouped_datums, pg_loss  # noqa: E402 - TRL's task shape ("trl"), and its loss
 
 from training.utils import cpu_share  # noqa: E402
 from training.utils.config import DeploymentConfig, TrainerConfig  # noqa: E402
 from training.utils.deploy import Engine, engine_dtype  # noqa: E402
 from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer  # noqa: E402
-from training.utils.trainer import Datum, MicroBatch, Trainer  # noqa: E402
+from training.utils.trainer import Trainer  # noqa: E402
 
 PROMPTS, DRAWS, PROMPT_TOKENS, NEW_TOKENS = 4, 8, 46, 24
 UNIT_TIMEOUT_S = 600.0
@@ -61,27 +62,6 @@ def parse_args() -> argparse.Namespace:
     if args.units < 1 or args.seconds <= 0 or args.lora_rank < 0:
         p.error("--units must be at least 1, --seconds positive and --lora-rank at least 0")
     return args
-
-
-def training_datums(vocab_size: int) -> list[Datum]:
-    """TRL's task as the trainer sees it: groups of draws of one prompt, every draw's sampled tokens trained."""
-    generator = torch.Generator().manual_seed(0)
-    datums = []
-    for index in range(PROMPTS * DRAWS):
-        if index % DRAWS == 0:
-            prompt = torch.randint(10, vocab_size, (PROMPT_TOKENS + 1,), generator=generator).tolist()
-        tokens = prompt + torch.randint(10, vocab_size, (NEW_TOKENS,), generator=generator).tolist()
-        datums.append(Datum(input_ids=tokens[:-1], target_ids=tokens[1:],
-                            weights=[0.0] * PROMPT_TOKENS + [1.0] * NEW_TOKENS,
-                            behaviour_logprobs=[-10.0] * (len(tokens) - 1), advantage=1.0 if index % 2 else -1.0,
-                            prompt_len=PROMPT_TOKENS + 1))
-    return datums
-
-
-def pg_loss(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-mean importance-weighted policy gradient, as the recipes' losses compute."""
-    ratio = torch.exp((logprobs - mb.behaviour_logprobs).clamp(-20, 20))
-    return -(mb.advantages[:, None] * ratio * mb.weights).sum() / mb.num_tokens_total, {}
 
 
 class Side:
@@ -135,7 +115,7 @@ def main() -> None:
     trainer = Trainer(model, TrainerConfig(learning_rate=1e-6, lora_rank=args.lora_rank))
     engine = Engine(engine_model, tokenizer, DeploymentConfig(max_batch_requests=PROMPTS * DRAWS))
     engine.eos_token_ids = frozenset()  # every draw runs to NEW_TOKENS: each unit the same work
-    datums = training_datums(vocab_size)
+    datums = grouped_datums(PROMPTS * DRAWS, DRAWS, "trl", vocab_size)  # 47-token prompts, 24 trained tokens
     prompts = [torch.randint(10, vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(p)).tolist()
                for p in range(PROMPTS)]
     loop = asyncio.new_event_loop()

@@ -73,11 +73,5 @@ def autocast_cast_of(param: Tensor) -> Tensor | None:
 
 
 def kept_casts(params: Iterable[Tensor]) -> list[Tensor]:
-    """The kept copies of `params` (each once), for memory accounting."""
-    seen, casts = set(), []
-    for param in params:
-        cast = _CASTS.get(param)
-        if cast is not None and id(cast) not in seen:
-            seen.add(id(cast))
-            casts.append(cast.tensor)
-    return casts
+    """The kept copies of `params`, for memory accounting (`memory.storage_bytes` counts each storage once)."""
+    return [cast.tensor for param in params if (cast := _CASTS.get(param)) is not None]

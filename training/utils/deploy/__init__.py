@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from training.utils.config import DeploymentConfig
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.embedded import EmbeddedDeployment, engine_dtype, start_embedded_deployment
@@ -29,6 +31,7 @@ __all__ = [
     "ExternalDeployment",
     "Sampler",
     "engine_dtype",
+    "engine_runs_over_casts",
     "shares_lora_base",
     "start_deployment",
     "start_embedded_deployment",
@@ -63,6 +66,15 @@ async def start_deployment(
         cfg, tokenizer, model_name, model_config=policy_model.config, sampling_timeout_s=sampling_timeout_s,
         lora=is_lora(policy_model),
     )
+
+
+def engine_runs_over_casts(cfg: DeploymentConfig, device) -> bool:
+    """Whether a deployment of `cfg` may run a LoRA policy over the bfloat16 copies its trainer keeps of the frozen
+    weights (`trainer.frozen_weight_casts`), before the trainer exists: what `shares_lora_base` asks of the deployment
+    itself (embedded, synced in process, LoRA weights not `merged`), serving bfloat16. Where it may not, `auto`
+    keeps none: the deployment holds a copy of its own."""
+    return (cfg.kind == "embedded" and cfg.weight_sync == "in_process" and cfg.lora_weights != "merged"
+            and engine_dtype(cfg, device) == torch.bfloat16)
 
 
 def shares_lora_base(policy_model, cfg: DeploymentConfig) -> bool:

@@ -13,12 +13,11 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-import torch
 
 from training.utils import openmp
 from training.utils.checkpoint import load_latest_verified, load_weights
 from training.utils.config import DeploymentConfig, RLConfig
-from training.utils.deploy import Deployment, engine_dtype, start_deployment
+from training.utils.deploy import Deployment, engine_runs_over_casts, start_deployment
 from training.utils.errors import ConfigError
 from training.utils.lora import load_adapter
 from training.utils.model import default_device, load_model_and_tokenizer
@@ -72,13 +71,6 @@ def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference 
         reference = policy.adapter_disabled_reference()
     return policy, reference, tokenizer, identity
 
-
-def engine_runs_over_casts(deployment_cfg: DeploymentConfig, device) -> bool:
-    """Whether this deployment's engine may run over the bfloat16 copies a LoRA trainer keeps of its frozen weights
-    (`trainer.frozen_weight_casts`, `deploy.shares_lora_base`): embedded, synced in process, serving bfloat16, its
-    LoRA weights not `merged`. Where it may not, `auto` keeps none: the engine holds a copy of its own."""
-    return (deployment_cfg.kind == "embedded" and deployment_cfg.weight_sync == "in_process"
-            and deployment_cfg.lora_weights != "merged" and engine_dtype(deployment_cfg, device) == torch.bfloat16)
 
 
 async def deploy_policy(cfg: RLConfig, deployment_cfg: DeploymentConfig, worker, policy: Trainer,

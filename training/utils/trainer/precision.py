@@ -39,7 +39,6 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-
 def keep_frozen_casts(model: torch.nn.Module, cfg: TrainerConfig, precision: str, *, sharded: bool) -> None:
     """Keep bfloat16 copies of a LoRA model's frozen matmul weights (`frozen_casts`) as `cfg.frozen_weight_casts`
     says: under bf16 autocast, on a CPU (`auto`) or anywhere (`on`), never under FSDP2, which gathers the weights
