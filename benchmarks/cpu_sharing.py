@@ -59,8 +59,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--units", type=int, default=4, help="units of each side timed alone, after one warm-up")
     p.add_argument("--seconds", type=float, default=30.0, help="how long both run together")
     args = p.parse_args()
-    if args.units < 1 or args.seconds <= 0 or args.lora_rank < 0:
-        p.error("--units must be at least 1, --seconds positive and --lora-rank at least 0")
+    if args.units < 1:
+        p.error(f"--units {args.units}: must be at least 1")
+    if not args.seconds > 0:
+        p.error(f"--seconds {args.seconds}: must be positive")
+    if args.lora_rank < 0:
+        p.error(f"--lora-rank {args.lora_rank}: must be 0 (full fine-tuning) or more")
     return args
 
 
@@ -99,7 +103,7 @@ def time_alone(unit, units: int) -> float:
             unit()
         out["s"] = (time.perf_counter() - start) / units
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)  # a stuck unit must not keep the process alive
     thread.start()
     thread.join(timeout=UNIT_TIMEOUT_S * (units + 1))
     if "s" not in out:
