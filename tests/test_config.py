@@ -3,6 +3,10 @@ and the warning for a warmup longer than the run."""
 
 import logging
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -16,6 +20,8 @@ from training.utils.config import (
     TrainerConfig,
 )
 from training.utils.rl import startup
+
+ROOT = Path(__file__).resolve().parents[1]
 
 INF, NAN = math.inf, math.nan
 
@@ -96,3 +102,27 @@ def test_a_warmup_longer_than_the_run_warns(caplog, warmup_steps, warns):
         assert f"warmup_steps={warmup_steps}" in messages[0] and "8 planned optimizer steps" in messages[0]
     else:
         assert messages == []
+
+
+def test_building_a_config_imports_no_torch():
+    """The registries the config validates names against sit below it and load no torch: a `Config` with every
+    registry-backed field set (and a user loss's check) is built in a process that never imports torch."""
+    code = """
+import sys
+from training.utils.config import RLConfig, TISConfig
+cfg = RLConfig(policy_loss="dapo", dual_clip_c=3.0, advantage_estimator="rloo", loss_agg_mode="seq_mean_token_mean",
+               kl_beta=0.1, kl_estimator="k2", tis=TISConfig(level="sequence"), completions_per_prompt=2)
+for bad in ({"policy_loss": "ppo"}, {"eps_clip": 1.5}, {"policy_loss": "dro", "dro_beta": -1.0}):
+    try:
+        RLConfig(**bad)
+    except ValueError:
+        pass
+    else:
+        raise SystemExit(f"{bad} was accepted")
+loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+print(cfg.policy_loss_settings(), loaded)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "{'eps_clip': 0.2, 'eps_clip_high': None, 'dual_clip_c': 3.0} []", done.stdout

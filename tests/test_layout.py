@@ -23,7 +23,8 @@ FORBIDDEN_IMPORTS = [
     ("training.utils.trainer", "training.utils.deploy", "the deployment and the trainer meet in the recipes"),
 ]
 PURE_REGISTRIES = ("training.utils.rl.losses", "training.utils.rl.loss_aggregation",
-                   "training.utils.rl.loss_corrections", "training.utils.rl.advantages")
+                   "training.utils.rl.loss_corrections", "training.utils.rl.kl_estimators",
+                   "training.utils.rl.advantages")
 """The config validates names against these, so they import nothing of the library but its errors and each other."""
 
 

@@ -529,7 +529,8 @@ def test_a_registered_loss_trains_through_a_recipe(readme_loss, tmp_path):
 
 
 def test_registration_and_config_errors_name_what_is_wrong(readme_loss):
-    with pytest.raises(ValidationError, match="policy_loss_params \\['tau'\\].*takes \\['adv_clip'\\]"):
+    with pytest.raises(ValidationError, match="policy_loss 'clipped_reinforce' takes no settings \\['tau'\\]; it "
+                       "takes \\['adv_clip'\\]"):
         rl_loop.Config(policy_loss="clipped_reinforce", policy_loss_params={"tau": 1.0})
     with pytest.raises(ValidationError, match="set the config field"):
         rl_loop.Config(policy_loss="grpo", policy_loss_params={"eps_clip": 0.1})

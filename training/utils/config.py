@@ -16,8 +16,15 @@ from pydantic import Field, field_validator, model_validator
 from training.utils.config_base import FiniteFloat, StrictModel
 from training.utils.deployment_config import AgentShimConfig, DeployConfig, DeploymentConfig, SamplingConfig
 from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS
+from training.utils.rl.kl_estimators import KL_ESTIMATORS
 from training.utils.rl.loss_aggregation import LOSS_AGG_MODES
-from training.utils.rl.losses import KL_ESTIMATORS, POLICY_LOSSES
+from training.utils.rl.losses import (
+    DRO_BETA,
+    EPS_CLIP,
+    POLICY_LOSSES,
+    checked_policy_loss,
+    policy_loss_named,
+)
 from training.utils.trainer_config import TrainerConfig
 
 __all__ = [
@@ -112,7 +119,7 @@ class RLConfig(StrictModel):
     kill mid-export leaves the earlier export. An existing directory must be empty or an earlier export."""
 
     # -- loss --------------------------------------------------------------------------
-    eps_clip: FiniteFloat = Field(0.2, gt=0)
+    eps_clip: FiniteFloat = Field(EPS_CLIP, gt=0)
     """PPO clip ε_low: the ratio is clipped to [1 − eps_clip, 1 + eps_clip_high]."""
     eps_clip_high: FiniteFloat | None = Field(None, gt=0)
     """PPO clip ε_high; None means eps_clip (or 0.28 for `dapo`)."""
@@ -139,7 +146,7 @@ class RLConfig(StrictModel):
     """Entropy bonus: the loss subtracts entropy_coef·H per token, aggregated like the pg term (`loss_agg_mode`).
     > 0 computes the entropy with a gradient in every training pass (the chunked logprob recomputation is off,
     so the vocab-sized buffers of a micro-batch stay alive until its backward)."""
-    dro_beta: FiniteFloat = Field(0.1, gt=0)
+    dro_beta: FiniteFloat = Field(DRO_BETA, gt=0)
     """β of the `dro` loss's quadratic penalty ½·β·(π − π_old)²."""
     policy_loss_params: dict[str, Any] = Field(default_factory=dict)
     """Settings of the policy loss that have no field above (a registered loss's own keyword-only
@@ -263,9 +270,7 @@ class RLConfig(StrictModel):
     @field_validator("policy_loss")
     @classmethod
     def _registered_loss(cls, name: str) -> str:
-        if name not in POLICY_LOSSES:
-            raise ValueError(f"unknown policy_loss {name!r}; registered: {sorted(POLICY_LOSSES)} "
-                             "(register your own with training.utils.rl.losses.register_policy_loss first)")
+        policy_loss_named(name)
         return name
 
     @model_validator(mode="after")
@@ -274,26 +279,16 @@ class RLConfig(StrictModel):
             raise ValueError(
                 "sampling.temperature=0 (greedy) cannot train: policy gradients need a sampled distribution"
             )
-        loss = POLICY_LOSSES[self.policy_loss]
-        if self.dual_clip_c is not None and not loss.dual_clip:
-            with_dual_clip = sorted(name for name, entry in POLICY_LOSSES.items() if entry.dual_clip)
-            raise ValueError(f"dual_clip_c applies to {', '.join(with_dual_clip)}, "
-                             f"not policy_loss={self.policy_loss!r}")
-        if unknown := set(self.policy_loss_params) - set(loss.settings):
-            raise ValueError(f"policy_loss_params {sorted(unknown)}: policy_loss={self.policy_loss!r} takes "
-                             f"{sorted(loss.settings) or 'no settings'}")
         if fields := set(self.policy_loss_params) & set(type(self).model_fields):
             raise ValueError(f"policy_loss_params {sorted(fields)}: set the config field(s) of that name instead")
-        loss.check_settings(self.policy_loss_settings())
+        settings = self.policy_loss_settings()
+        if self.dual_clip_c is not None:  # None is off; set, it must be a setting the loss takes
+            settings.setdefault("dual_clip_c", self.dual_clip_c)
+        checked_policy_loss(self.policy_loss, settings)
         g = self.completions_per_prompt
         if self.min_group_size is not None and self.min_group_size > g:
             raise ValueError(f"min_group_size={self.min_group_size} exceeds completions_per_prompt={g}")
-        needs_baseline = ADVANTAGE_ESTIMATORS[self.advantage_estimator].needs_baseline
-        if needs_baseline and g < 2:
-            raise ValueError(
-                f"advantage_estimator={self.advantage_estimator!r} needs completions_per_prompt >= 2 "
-                "(a group of one has no baseline); use 'reinforce' or raise completions_per_prompt"
-            )
+        ADVANTAGE_ESTIMATORS[self.advantage_estimator].check_group_size(self.advantage_estimator, g)
         return self
 
     @model_validator(mode="after")
@@ -330,7 +325,7 @@ class RLConfig(StrictModel):
     def effective_min_group_size(self) -> int:
         if self.min_group_size is not None:
             return self.min_group_size
-        return 2 if ADVANTAGE_ESTIMATORS[self.advantage_estimator].needs_baseline else 1
+        return ADVANTAGE_ESTIMATORS[self.advantage_estimator].min_runs
 
     def policy_loss_settings(self) -> dict[str, Any]:
         """The settings `policy_loss` takes: config fields of the same name, then `policy_loss_params`."""

@@ -87,6 +87,17 @@ class AdvantageEstimator:
     """A group baseline is meaningless for one run, so singleton groups are dropped."""
     whiten_batch: bool = False
 
+    @property
+    def min_runs(self) -> int:
+        """The fewest runs a group trains with: a baseline needs at least two, otherwise one does."""
+        return 2 if self.needs_baseline else 1
+
+    def check_group_size(self, name: str, completions_per_prompt: int) -> None:
+        """A ConfigError when `completions_per_prompt` draws per row can never form a group this estimator trains."""
+        if completions_per_prompt < self.min_runs:
+            raise ConfigError(f"advantage_estimator={name!r} needs completions_per_prompt >= {self.min_runs} (a "
+                              "group of one has no baseline); use 'reinforce' or raise completions_per_prompt")
+
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": AdvantageEstimator(_grpo, needs_baseline=True),
@@ -109,7 +120,7 @@ def untrainable_reason(runs: int, estimator: str) -> str | None:
     estimator that needs a group baseline, all but `reinforce`), or None when it can."""
     if runs == 0:
         return "empty_group"
-    if runs == 1 and estimator_named(estimator).needs_baseline:
+    if runs < estimator_named(estimator).min_runs:
         return "singleton_group"
     return None
 

@@ -13,22 +13,23 @@ the sequences counted are the shares' sum, the runs. `token_mean` and `sum` weig
 alike whatever row it is in, so a split run weighs what it would in one row without help.
 
 The config validates `loss_agg_mode` against `LOSS_AGG_MODES`, so this module imports nothing
-of the library.
+of the library, nor torch (it works through the methods of the tensors it is handed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def _token_mean(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm, seq_share_B) -> Tensor:
     if num_tokens is None:
         num_tokens = mask.sum().clamp(min=1)
-    return torch.where(mask, x, 0.0).sum() / num_tokens
+    return x.where(mask, 0.0).sum() / num_tokens
 
 
 def _sequences(x: Tensor, num_seqs, seq_share_B: Tensor | None):
@@ -39,7 +40,7 @@ def _sequences(x: Tensor, num_seqs, seq_share_B: Tensor | None):
 
 
 def _seq_mean_token_mean(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm, seq_share_B) -> Tensor:
-    per_seq_B = torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+    per_seq_B = x.where(mask, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
     if seq_share_B is not None:
         per_seq_B = per_seq_B * seq_share_B
     return per_seq_B.sum() / _sequences(x, num_seqs, seq_share_B)
@@ -48,12 +49,12 @@ def _seq_mean_token_mean(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_toke
 def _seq_mean_token_sum_norm(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm,
                              seq_share_B) -> Tensor:
     norm = x.shape[1] if seq_token_sum_norm is None else seq_token_sum_norm
-    per_seq_B = torch.where(mask, x, 0.0).sum(-1) / norm  # token sums add up over a run's rows: no share needed
+    per_seq_B = x.where(mask, 0.0).sum(-1) / norm  # token sums add up over a run's rows: no share needed
     return per_seq_B.sum() / _sequences(x, num_seqs, seq_share_B)
 
 
 def _sum(x: Tensor, mask: Tensor, num_tokens, num_seqs, seq_token_sum_norm, seq_share_B) -> Tensor:
-    return torch.where(mask, x, 0.0).sum()
+    return x.where(mask, 0.0).sum()
 
 
 @dataclass(frozen=True)
@@ -84,4 +85,4 @@ seq_token_sum_norm default T (Dr. GRPO's constant normaliser). `sum`: Σ loss. W
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """The detached float mean of `x` over `mask`'s True positions (0 on an empty mask): a loss metric."""
     x = x.detach().float()
-    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+    return x.where(mask, 0.0).sum() / mask.sum().clamp(min=1)

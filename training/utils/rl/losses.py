@@ -9,7 +9,7 @@ computed (the loss's name and settings, aggregation, KL, TIS, entropy bonus; bui
 once per batch), `LossBatch` holds one micro-batch's tensors. It
 
 1. sanitises the inputs: every padded/untrained position is replaced by 0 with
-   `torch.where`, so an inf or NaN there never reaches the loss or the gradient;
+   `where`, so an inf or NaN there never reaches the loss or the gradient;
 2. calls the registered loss (`POLICY_LOSSES[name].fn`), which returns a per-token loss;
 3. applies the train-inference correction (TIS weight, IcePop and seq-mask filters,
    `loss_corrections.py`) to that policy-gradient term only;
@@ -17,6 +17,11 @@ once per batch), `LossBatch` holds one micro-batch's tensors. It
    `entropy_coef · H` as a third (H must then carry π's gradient);
 5. aggregates the terms with `LOSS_AGG_MODES[loss_agg_mode].reduce` (`loss_aggregation.py`) and
    returns `(loss, metrics)`, metrics being detached tensors (no host sync here).
+
+The config validates `policy_loss` and its settings against this registry when it is built, so
+this module (like `loss_corrections.py` and `loss_aggregation.py`) imports neither the config
+nor torch: it works through the methods of the tensors it is handed (`x.where(mask, 0.0)` is
+`torch.where(mask, x, 0.0)`), and importing a `Config` loads no torch.
 
 A registered loss is a pure function `fn(inp: LossInputs, *, <its settings>) -> TokenLoss`;
 its keyword-only parameters are its settings (config fields of the same name, or
@@ -26,23 +31,24 @@ its keyword-only parameters are its settings (config fields of the same name, or
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
 from training.utils.errors import ConfigError
+from training.utils.rl.kl_estimators import KL_ESTIMATORS, LOG_RATIO_CAP, kl_k1, kl_k3
 from training.utils.rl.loss_aggregation import LOSS_AGG_MODES, LossAggregation, masked_mean
-from training.utils.rl.loss_corrections import train_inference_correction
+from training.utils.rl.loss_corrections import TISSettings, train_inference_correction
 
-if TYPE_CHECKING:  # the config imports this registry to validate names, so no runtime import back
-    from training.utils.config import TISConfig
+if TYPE_CHECKING:
+    from torch import Tensor
 
-LOG_RATIO_CAP = 20.0
-"""Log-ratios are clamped to ±this before `exp`, so a ratio is at most e^20 and never inf."""
+EPS_CLIP = 0.2
+"""PPO's clip ε_low, the default of the clipped losses' `eps_clip` and of the config field."""
+DRO_BETA = 0.1
+"""β of the `dro` loss's penalty, the default of its `dro_beta` and of the config field."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ class LossInputs:
 
     @property
     def ratio(self) -> Tensor:
-        return torch.exp(self.log_ratio)
+        return self.log_ratio.exp()
 
 
 @dataclass(frozen=True)
@@ -91,14 +97,25 @@ class PolicyLoss:
     """`fn(inp: LossInputs, *, <settings>) -> TokenLoss`."""
     settings: dict[str, object]
     """Its keyword-only parameters with their defaults: the settings it takes."""
+    check: Callable[..., None] | None = None
+    """`check(**settings)` raises a ConfigError naming a bad setting, with no tensor; None: the loss checks its
+    settings itself when it runs."""
 
-    @property
-    def dual_clip(self) -> bool:
-        return "dual_clip_c" in self.settings
+    def check_settings(self, name: str, settings: Mapping[str, object]) -> None:
+        """The one check of a loss's settings, when a config or a `LossSpec` is built (not at the first optimizer
+        step): each is one the loss takes, and its values pass the loss's `check`. A loss registered without one
+        that takes settings runs once on a one-token input instead, so that its own checks fire; that needs torch,
+        which the module defining such a loss has loaded."""
+        if extra := set(settings) - set(self.settings):
+            raise ConfigError(f"policy_loss {name!r} takes no settings {sorted(extra)}; it takes "
+                              f"{sorted(self.settings) or 'none'} (config fields of those names or policy_loss_params)")
+        if self.check is not None:
+            self.check(**(self.settings | dict(settings)))
+            return
+        if not self.settings:
+            return
+        import torch
 
-    def check_settings(self, settings: dict[str, object]) -> None:
-        """Run the loss once on a one-token input, so that its own checks of `settings` (a ConfigError naming
-        the bad one) fire when the config is built, not at the first optimizer step."""
         zero = torch.zeros(1, 1)
         self.fn(LossInputs(logprobs=zero, old_logprobs=zero, advantages=zero, mask=torch.ones(1, 1, dtype=torch.bool),
                            log_ratio=zero), **settings)
@@ -108,11 +125,29 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {}
 """Every loss `policy_loss` may name, by name; `register_policy_loss` adds to it."""
 
 
-def register_policy_loss(name: str, fn: Callable[..., TokenLoss] | None = None):
+def policy_loss_named(name: str) -> PolicyLoss:
+    """`POLICY_LOSSES[name]`, or a ConfigError naming the registered losses."""
+    loss = POLICY_LOSSES.get(name)
+    if loss is None:
+        raise ConfigError(f"unknown policy_loss {name!r}; valid: {sorted(POLICY_LOSSES)} (register your own with "
+                          "`from training import register_policy_loss` first)")
+    return loss
+
+
+def checked_policy_loss(name: str, settings: Mapping[str, object]) -> PolicyLoss:
+    """The loss `name` with `settings` checked (`PolicyLoss.check_settings`): what the config and `LossSpec` ask."""
+    loss = policy_loss_named(name)
+    loss.check_settings(name, settings)
+    return loss
+
+
+def register_policy_loss(name: str, fn: Callable[..., TokenLoss] | None = None, *,
+                         check: Callable[..., None] | None = None):
     """Register `fn(inp: LossInputs, *, <settings>) -> TokenLoss` as `policy_loss=name` (also a decorator).
 
     Its keyword-only parameters are its settings: config fields of the same name (`eps_clip`, ...)
     or keys of `policy_loss_params`; every other parameter must be the single positional `inp`.
+    `check(**settings)`, if given, raises a ConfigError on bad settings without running the loss.
     """
 
     def register(loss_fn: Callable[..., TokenLoss]) -> Callable[..., TokenLoss]:
@@ -125,7 +160,7 @@ def register_policy_loss(name: str, fn: Callable[..., TokenLoss] | None = None):
         settings = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
         if missing := [k for k, v in settings.items() if v is inspect.Parameter.empty]:
             raise ConfigError(f"policy loss {name!r}: settings {missing} need defaults")
-        POLICY_LOSSES[name] = PolicyLoss(loss_fn, settings)
+        POLICY_LOSSES[name] = PolicyLoss(loss_fn, settings, check)
         return loss_fn
 
     return register if fn is None else register(fn)
@@ -136,21 +171,23 @@ def _ppo_clip(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """max(−r·A, −clip(r, 1−ε_low, 1+ε_high)·A), then min(·, −c·A) where A < 0 if c is set."""
     unclipped = -ratio * adv
-    clipped = -torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    loss = torch.maximum(unclipped, clipped)
+    clipped = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = unclipped.maximum(clipped)
     clip_active = clipped > unclipped
     if dual_clip_c is None:
         return loss, clip_active, None
     # For A < 0 the surrogate grows without bound in r; cap it at −c·A (c > 1).
     dual_bound = -dual_clip_c * adv
     dual_active = (adv < 0) & (loss > dual_bound)
-    return torch.where(dual_active, dual_bound, loss), clip_active, dual_active
+    return dual_bound.where(dual_active, loss), clip_active, dual_active
 
 
-def _check_clip(eps_low: float, eps_high: float, dual_clip_c: float | None) -> None:
-    if not 0 <= eps_low < 1 or eps_high < 0:
+def _check_clip(*, eps_clip: float, eps_clip_high: float | None, dual_clip_c: float | None = None) -> None:
+    """The settings of the clipped losses: 0 <= ε_low < 1, ε_high >= 0 (None: the loss's own default), c > 1."""
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    if not 0 <= eps_clip < 1 or eps_high < 0:
         raise ConfigError(
-            f"eps_clip={eps_low} / eps_clip_high={eps_high}: need 0 <= eps_clip < 1 and eps_clip_high >= 0"
+            f"eps_clip={eps_clip} / eps_clip_high={eps_high}: need 0 <= eps_clip < 1 and eps_clip_high >= 0"
         )
     if dual_clip_c is not None and dual_clip_c <= 1:
         raise ConfigError(
@@ -158,9 +195,10 @@ def _check_clip(eps_low: float, eps_high: float, dual_clip_c: float | None) -> N
         )
 
 
-@register_policy_loss("grpo")
+@register_policy_loss("grpo", check=_check_clip)
 def grpo_loss(
-    inp: LossInputs, *, eps_clip: float = 0.2, eps_clip_high: float | None = None, dual_clip_c: float | None = None
+    inp: LossInputs, *, eps_clip: float = EPS_CLIP, eps_clip_high: float | None = None,
+    dual_clip_c: float | None = None,
 ) -> TokenLoss:
     """PPO clipped surrogate (GRPO, arXiv:2402.03300).
 
@@ -168,15 +206,15 @@ def grpo_loss(
     ε_low = eps_clip, ε_high = eps_clip_high (defaults to eps_clip).
     """
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
-    _check_clip(eps_clip, eps_high, dual_clip_c)
     ratio = inp.ratio
     loss, clipped, dual = _ppo_clip(ratio, inp.advantages, eps_clip, eps_high, dual_clip_c)
     return TokenLoss(loss, ratio, clipped, dual)
 
 
-@register_policy_loss("dapo")
+@register_policy_loss("dapo", check=_check_clip)
 def dapo_loss(
-    inp: LossInputs, *, eps_clip: float = 0.2, eps_clip_high: float | None = None, dual_clip_c: float | None = None
+    inp: LossInputs, *, eps_clip: float = EPS_CLIP, eps_clip_high: float | None = None,
+    dual_clip_c: float | None = None,
 ) -> TokenLoss:
     """DAPO clip-higher surrogate (arXiv:2503.14476); pair with `token_mean` aggregation.
 
@@ -187,7 +225,13 @@ def dapo_loss(
                      dual_clip_c=dual_clip_c)
 
 
-@register_policy_loss("importance_sampling")
+def _check_is_ratio_cap(*, is_ratio_cap: float | None) -> None:
+    if is_ratio_cap is not None and not is_ratio_cap >= 1:
+        raise ConfigError(f"is_ratio_cap={is_ratio_cap} must be >= 1 (a cap below 1 clips the on-policy ratio r = 1); "
+                          "use None to disable")
+
+
+@register_policy_loss("importance_sampling", check=_check_is_ratio_cap)
 def importance_sampling_loss(inp: LossInputs, *, is_ratio_cap: float | None = None) -> TokenLoss:
     """Importance-sampled policy gradient, unclipped unless `is_ratio_cap` c is set.
 
@@ -196,9 +240,6 @@ def importance_sampling_loss(inp: LossInputs, *, is_ratio_cap: float | None = No
     ratio = inp.ratio
     if is_ratio_cap is None:
         return TokenLoss(-ratio * inp.advantages, ratio)
-    if not is_ratio_cap >= 1:
-        raise ConfigError(f"is_ratio_cap={is_ratio_cap} must be >= 1 (a cap below 1 clips the on-policy ratio r = 1); "
-                          "use None to disable")
     return TokenLoss(-ratio.clamp(max=is_ratio_cap) * inp.advantages, ratio, ratio > is_ratio_cap)
 
 
@@ -211,21 +252,25 @@ def reinforce_loss(inp: LossInputs) -> TokenLoss:
     return TokenLoss(-inp.advantages * inp.logprobs, inp.ratio)
 
 
-@register_policy_loss("dro")
-def dro_loss(inp: LossInputs, *, dro_beta: float = 0.1) -> TokenLoss:
+def _check_dro_beta(*, dro_beta: float) -> None:
+    if dro_beta < 0:
+        raise ConfigError(f"dro_beta={dro_beta} must be >= 0")
+
+
+@register_policy_loss("dro", check=_check_dro_beta)
+def dro_loss(inp: LossInputs, *, dro_beta: float = DRO_BETA) -> TokenLoss:
     """DRO, a regularised off-policy objective (arXiv:2405.19107): a quadratic penalty replaces the clip.
 
     loss = −(π·A − ½·β·(π − π_old)²),  β = dro_beta
     """
-    if dro_beta < 0:
-        raise ConfigError(f"dro_beta={dro_beta} must be >= 0")
     diff = inp.logprobs - inp.old_logprobs
     return TokenLoss(-(inp.logprobs * inp.advantages - 0.5 * dro_beta * diff.square()), inp.ratio)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", check=_check_clip)
 def gspo_loss(
-    inp: LossInputs, *, eps_clip: float = 0.2, eps_clip_high: float | None = None, dual_clip_c: float | None = None
+    inp: LossInputs, *, eps_clip: float = EPS_CLIP, eps_clip_high: float | None = None,
+    dual_clip_c: float | None = None,
 ) -> TokenLoss:
     """GSPO sequence-level ratio, clipped PPO-style and applied to every token (arXiv:2507.18071).
 
@@ -238,51 +283,25 @@ def gspo_loss(
     decided per sequence, so a clipped sequence contributes no gradient on any token.
     """
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
-    _check_clip(eps_clip, eps_high, dual_clip_c)
     n_tokens_B = inp.mask.sum(-1, keepdim=True).clamp(min=1)
     seq_log_ratio_B = (inp.log_ratio.sum(-1, keepdim=True) / n_tokens_B).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)
     log_ratio_token = seq_log_ratio_B.detach() + inp.logprobs - inp.logprobs.detach()
-    ratio = torch.exp(log_ratio_token)
+    ratio = log_ratio_token.exp()
     loss, clipped, dual = _ppo_clip(ratio, inp.advantages, eps_clip, eps_high, dual_clip_c)
     return TokenLoss(loss, ratio, clipped, dual)
 
 
-@register_policy_loss("cispo")
-def cispo_loss(inp: LossInputs, *, eps_clip: float = 0.2, eps_clip_high: float | None = None) -> TokenLoss:
+@register_policy_loss("cispo", check=_check_clip)
+def cispo_loss(inp: LossInputs, *, eps_clip: float = EPS_CLIP, eps_clip_high: float | None = None) -> TokenLoss:
     """CISPO: clip the importance weight, not the update, so every token keeps a gradient (arXiv:2506.13585).
 
     loss = −sg(clip(r, 1−ε_low, 1+ε_high))·A·π   (gradient per token: −clip(r)·A)
     """
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
-    _check_clip(eps_clip, eps_high, None)
     ratio = inp.ratio.detach()
-    weight = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_high)
+    weight = ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
     clipped = (ratio < 1.0 - eps_clip) | (ratio > 1.0 + eps_high)
     return TokenLoss(-weight * inp.advantages * inp.logprobs, ratio, clipped)
-
-
-# ---------------------------------------------------------------------------------------
-# KL to the reference.
-
-
-def _kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    return logprobs - ref_logprobs
-
-
-def _kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    return 0.5 * (logprobs - ref_logprobs).square()
-
-
-def _kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    # Clamp the whole log-ratio, not just the exponent: clamping only inside exp would leave
-    # the −(π_ref − π) term's gradient, which points the wrong way once the exp is flat.
-    log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)
-    return torch.exp(log_ratio) - log_ratio - 1.0
-
-
-KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
-"""k1 `π − π_ref`; k2 `½(π − π_ref)²`; k3 `exp(π_ref − π) − (π_ref − π) − 1` (log-ratio clamped ±20
-for k3, so the exp cannot overflow)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -291,7 +310,8 @@ for k3, so the exp cannot overflow)."""
 
 @dataclass(frozen=True)
 class LossSpec:
-    """How the policy loss is computed: built once per batch, its names and settings checked here, once."""
+    """How the policy loss is computed: built once per batch, its names and settings checked here, once
+    (`checked_policy_loss`, as the config checks them)."""
 
     name: str
     """The loss, a name in `POLICY_LOSSES`."""
@@ -305,7 +325,7 @@ class LossSpec:
     """Weight of the KL-to-reference term; > 0 needs the batch's `ref_logprobs`."""
     kl_estimator: str = "k3"
     """The KL term's estimator, a name in `KL_ESTIMATORS`."""
-    tis: TISConfig | None = None
+    tis: TISSettings | None = None
     """The train-inference correction of the pg term; set, it needs the batch's `rollout_logprobs`."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus; ≠ 0 needs the batch's `entropy`, carrying π's gradient."""
@@ -317,18 +337,13 @@ class LossSpec:
     """`KL_ESTIMATORS[kl_estimator]`, looked up once."""
 
     def __post_init__(self) -> None:
-        loss = POLICY_LOSSES.get(self.name)
-        if loss is None:
-            raise ConfigError(f"unknown policy_loss {self.name!r}; valid: {sorted(POLICY_LOSSES)}")
+        loss = checked_policy_loss(self.name, self.settings)
         agg = LOSS_AGG_MODES.get(self.loss_agg_mode)
         if agg is None:
             raise ConfigError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; valid: {sorted(LOSS_AGG_MODES)}")
         kl_fn = KL_ESTIMATORS.get(self.kl_estimator)
         if kl_fn is None:
             raise ConfigError(f"unknown kl_estimator {self.kl_estimator!r}; valid: {sorted(KL_ESTIMATORS)}")
-        if extra := set(self.settings) - set(loss.settings):
-            raise ConfigError(f"policy_loss {self.name!r} takes no settings {sorted(extra)}; "
-                              f"it takes {sorted(loss.settings)}")
         object.__setattr__(self, "settings", MappingProxyType(dict(self.settings)))
         object.__setattr__(self, "loss", loss)
         object.__setattr__(self, "aggregation", agg)
@@ -364,7 +379,7 @@ class LossBatch:
 
 
 def _sanitise(x: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask, x.float(), 0.0)
+    return x.float().where(mask, 0.0)
 
 
 def _check_batch(spec: LossSpec, batch: LossBatch) -> None:
@@ -403,7 +418,7 @@ def compute_policy_loss(spec: LossSpec, batch: LossBatch) -> tuple[Tensor, dict[
     independent of the aggregation mode and of `num_tokens` otherwise.
     """
     _check_batch(spec, batch)
-    # 1. Sanitise: masked positions become 0 through torch.where, so inf/NaN there has no path
+    # 1. Sanitise: masked positions become 0 through `where`, so inf/NaN there has no path
     #    to the loss and gets an exactly-zero gradient.
     mask = batch.mask.bool()
 
@@ -431,37 +446,37 @@ def compute_policy_loss(spec: LossSpec, batch: LossBatch) -> tuple[Tensor, dict[
     pg = out.loss
     if spec.tis is not None:
         mu = _sanitise(batch.rollout_logprobs.detach(), mask)
-        log_rho = torch.where(mask, pi_old - mu, 0.0).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)
+        log_rho = (pi_old - mu).where(mask, 0.0).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)
         corr = train_inference_correction(log_rho, mask, spec.tis)
-        pg = torch.where(corr.keep, pg * corr.weight, 0.0)
+        pg = (pg * corr.weight).where(corr.keep, 0.0)
         metrics.update(corr.metrics)
     pg_loss = agg(pg)
 
     # 4. KL to the reference, aggregated like the pg term.
-    kl_loss = torch.zeros((), device=pi.device)
-    metrics["kl_loss"] = torch.zeros((), device=pi.device)
+    kl_loss = pi.new_zeros(())
+    metrics["kl_loss"] = pi.new_zeros(())
     if batch.ref_logprobs is not None:
         pi_ref = _sanitise(batch.ref_logprobs.detach(), mask)
         if spec.kl_beta > 0:
             kl_BT = spec.kl_beta * spec.kl(pi, pi_ref)
             kl_loss = agg(kl_BT)
             metrics["kl_loss"] = masked_mean(kl_BT, mask)
-        metrics["ref_kl"] = masked_mean(_kl_k3(pi, pi_ref), mask)
-        metrics["ref_kl_k1"] = masked_mean(_kl_k1(pi, pi_ref), mask)
+        metrics["ref_kl"] = masked_mean(kl_k3(pi, pi_ref), mask)
+        metrics["ref_kl_k1"] = masked_mean(kl_k1(pi, pi_ref), mask)
 
     # 5. Metrics: detached tensors, reduced by the trainer once per step.
     ratio = out.ratio.detach()
     metrics["pg_loss"] = masked_mean(pg, mask)
-    no_clip = torch.zeros((), device=pi.device)
+    no_clip = pi.new_zeros(())
     metrics["pg_clipfrac"] = masked_mean(out.clipped, mask) if out.clipped is not None else no_clip
     if out.dual_clipped is not None:
         metrics["dual_clipfrac"] = masked_mean(out.dual_clipped, mask)
     # k3 estimate of KL(π_old ‖ π): exp(π − π_old) − (π − π_old) − 1, never negative (k1 is kept for comparison).
-    metrics["ppo_kl"] = masked_mean(torch.exp(inp.log_ratio) - inp.log_ratio - 1.0, mask)
+    metrics["ppo_kl"] = masked_mean(inp.log_ratio.exp() - inp.log_ratio - 1.0, mask)
     metrics["ppo_kl_k1"] = masked_mean(pi_old - pi, mask)
     metrics["ratio_mean"] = masked_mean(ratio, mask)
-    metrics["ratio_min"] = torch.where(mask, ratio, torch.inf).amin()
-    metrics["ratio_max"] = torch.where(mask, ratio, -torch.inf).amax()
+    metrics["ratio_min"] = ratio.where(mask, math.inf).amin()
+    metrics["ratio_max"] = ratio.where(mask, -math.inf).amax()
     if batch.entropy is None:
         return pg_loss + kl_loss, metrics
     entropy_BT = _sanitise(batch.entropy, mask)

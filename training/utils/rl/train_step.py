@@ -29,15 +29,23 @@ import torch
 
 from training.utils.config import RLConfig
 from training.utils.rl.advantages import compute_advantages
-from training.utils.rl.losses import KL_ESTIMATORS, LOSS_AGG_MODES, LossBatch, LossSpec, compute_policy_loss
+from training.utils.rl.kl_estimators import KL_ESTIMATORS
+from training.utils.rl.losses import LOSS_AGG_MODES, LossBatch, LossSpec, compute_policy_loss
 from training.utils.rl.rollout.types import PromptGroup, pack_run
 from training.utils.trainer import Datum, MicroBatch, Reference, Trainer
+from training.utils.trainer.sharding import combination
 
 SEQ_SHARE = "seq_share"
 """The per-datum extra holding each segment's share of its run (`run_weighting="run"`), on every position."""
 
 GAP = "rollout/sampler_trainer_logprob_diff"
 """Mean |π_old − μ| over trained tokens: how far the sampler's logprobs are from the trainer's."""
+
+
+def gap_sum(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ |π − μ| over the trained tokens (`weights` > 0), no grad: the one measure of `GAP`, taken by the anchor
+    pass, or by the training pass where that supplies π_old (divided by the trained tokens either way)."""
+    return (logprobs.detach() - behaviour_logprobs).abs().where(weights > 0, 0.0).sum()
 
 PHASES = ("ref_forward", "old_policy_forward", "fwd_bwd", "optim_step")
 """The trainer phases of a batch, each reported as `perf/<phase>_time` (seconds, summed over chunks and steps)."""
@@ -98,28 +106,28 @@ def make_loss_fn(cfg: RLConfig, kl_beta: float, *, normalised: bool = True, num_
             num_seqs=sequences, seq_share=None if seq_share is None else seq_share[:, 0],  # a datum's first position
         ))
         # On a batch's first optimizer step π is the pre-update policy, so this is |π_old − μ|.
-        trained = mb.weights > 0
-        gap = torch.where(trained, (logprobs.detach() - mb.behaviour_logprobs).abs(), 0.0)
-        metrics["sampler_trainer_logprob_diff"] = gap.sum() / trained.sum().clamp(min=1)
+        trained = (mb.weights > 0).sum().clamp(min=1)
+        metrics["sampler_trainer_logprob_diff"] = gap_sum(logprobs, mb.behaviour_logprobs, mb.weights) / trained
         return loss, metrics
 
     return loss_fn
 
 
 def reduce_metrics(records: list[tuple[dict[str, float], float]]) -> dict[str, float]:
-    """The one rule for combining metrics over micro-batches, chunks or optimizer steps: `_min`/`_max`
-    take extremes, `skipped` and `tokens_computed` add up, the rest is the mean weighted by each record's
-    weight (tokens for chunks, 1 for optimizer steps; an unweighted mean when every weight is 0)."""
+    """Metrics combined over chunks or optimizer steps by the trainer's rule (`sharding.combination`): extremes,
+    counts that add up, and means weighted by each record's weight (tokens for chunks, 1 for optimizer steps; an
+    unweighted mean when every weight is 0)."""
     combined = {}
     for name in dict.fromkeys(name for metrics, _ in records for name in metrics):
         pairs = [(metrics[name], weight) for metrics, weight in records if name in metrics]
         values = [value for value, _ in pairs]
         total = sum(weight for _, weight in pairs)
-        if name.endswith("_min"):
+        kind = combination(name)
+        if kind == "min":
             combined[name] = min(values)
-        elif name.endswith("_max"):
+        elif kind == "max":
             combined[name] = max(values)
-        elif name in ("skipped", "tokens_computed"):
+        elif kind == "sum":
             combined[name] = float(sum(values))
         elif total:
             combined[name] = sum(value * weight for value, weight in pairs) / total
@@ -153,10 +161,10 @@ def pre_update_logprobs(
     behaviour_D = [torch.tensor(d.behaviour_logprobs, dtype=torch.float32) for d in datums_D]
     extras["old_logprobs"] = trainer_lp_D if cfg.anchor_logp == "old_policy" else behaviour_D
     extras["entropy"] = entropy_D
-    gap_sum = sum(float(torch.where(torch.tensor(d.weights) > 0, (lp - mu).abs(), 0.0).sum())
-                  for d, lp, mu in zip(datums_D, trainer_lp_D, behaviour_D))
+    total = sum(float(gap_sum(lp, mu, torch.tensor(d.weights)))
+                for d, lp, mu in zip(datums_D, trainer_lp_D, behaviour_D))
     n_tokens = sum(sum(d.weights) for d in datums_D)
-    return extras, {GAP: gap_sum / max(n_tokens, 1.0)}, trainer_lp_D
+    return extras, {GAP: total / max(n_tokens, 1.0)}, trainer_lp_D
 
 
 def kl_sums(

@@ -17,9 +17,24 @@ from torch.distributed.tensor import DTensor
 from training.utils import distributed
 from training.utils.trainer.batching import PaddedBatch
 
+ADDED_UP = frozenset({"skipped", "tokens_computed"})
+"""Metrics that are counts: combined they add up."""
+
+
+def combination(name: str) -> str:
+    """How values of the metric `name` combine over micro-batches, ranks, chunks or optimizer steps, the one rule
+    the trainer and the batch update both follow: `min` for `*_min`, `max` for `*_max`, `sum` for the counts
+    (`ADDED_UP`), else `mean`, weighted by each value's weight (tokens, or 1 per optimizer step)."""
+    if name.endswith("_min"):
+        return "min"
+    if name.endswith("_max"):
+        return "max"
+    return "sum" if name in ADDED_UP else "mean"
+
 
 class MetricTotals:
-    """Accumulates micro-batch losses and metrics as device tensors; reduced once at the end."""
+    """Accumulates micro-batch losses and metrics as device tensors; reduced once at the end (`combination`; a
+    micro-batch reports no counts, so every other metric is a mean)."""
 
     def __init__(self) -> None:
         self.loss: Tensor | None = None
@@ -33,12 +48,11 @@ class MetricTotals:
         self.weight_total += weight
         for name, value in metrics.items():
             value = torch.as_tensor(value, device=loss.device).detach().float()
-            if name.endswith("_min"):
+            kind = combination(name)
+            if kind in ("min", "max"):
                 previous = self.extremes.get(name)
-                self.extremes[name] = value if previous is None else torch.minimum(previous, value)
-            elif name.endswith("_max"):
-                previous = self.extremes.get(name)
-                self.extremes[name] = value if previous is None else torch.maximum(previous, value)
+                pick = torch.minimum if kind == "min" else torch.maximum
+                self.extremes[name] = value if previous is None else pick(previous, value)
             else:
                 self.weighted_sums[name] = self.weighted_sums.get(name, 0.0) + value * weight
 
@@ -65,7 +79,7 @@ class MetricTotals:
             for name, value in rank_sums.items():
                 sums[name] = sums.get(name, 0.0) + value
             for name, value in rank_extremes.items():
-                pick = min if name.endswith("_min") else max
+                pick = min if combination(name) == "min" else max
                 extremes[name] = value if name not in extremes else pick(extremes[name], value)
             loss += rank_loss or 0.0
             weight_total += rank_weight
