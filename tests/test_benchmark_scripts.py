@@ -4,48 +4,166 @@ server's weight directory) and went unnoticed until a GPU run, because nothing r
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+NUMBER = r"(-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
+
+
+def figures(pattern: str, out: str) -> list[tuple[float, ...]]:
+    """Every match of `pattern` (NUMBER for each figure) in `out`, as floats; at least one."""
+    found = [tuple(float(g) for g in m.groups()) for m in re.finditer(pattern.replace("NUMBER", NUMBER), out)]
+    assert found, f"no {pattern!r} in:\n{out[-3000:]}"
+    return found
+
+
+def check_sampler_throughput(out: str) -> None:
+    rows = json.loads(out.strip().splitlines()[-1])
+    assert len(rows) == 1, rows
+    row = rows[0]
+    # 4 requests x 8 tokens each way; every rate a positive number.
+    assert row["engine_tokens"] == row["http_tokens"] == row["generate_tokens"] == 32, row
+    assert all(row[k] > 0 for k in ("engine_tok_per_s", "http_tok_per_s", "generate_tok_per_s", "engine_vs_generate"))
+
+
+def check_prefix_cache(out: str) -> None:
+    (step,) = figures(r"prompt_tokens NUMBER \| NUMBER \| NUMBER  engine_prefill_tokens NUMBER \| NUMBER \| NUMBER  "
+                      r"prefix_cache_hit_tokens NUMBER \| NUMBER \| NUMBER", out)
+    prompt_off, _, _, prefill_off, prefill_default, prefill_unbounded, hit_off, hit_default, _ = step
+    # Without the cache every prompt token is prefilled; with it some are hits, and fewer are prefilled.
+    assert prefill_off == prompt_off and hit_off == 0
+    assert hit_default > 0 and prefill_default < prefill_off and prefill_unbounded <= prefill_off
+    ((ratio, _),) = figures(r"off / default NUMBERx, default / no byte bound NUMBERx", out)
+    assert ratio == pytest.approx(prefill_off / prefill_default, rel=0.01)
+
+
+def check_async_vs_sync(out: str) -> None:
+    rewards = figures(r"(?m)^(?:rl_loop|async O=1) +NUMBER +NUMBER +NUMBER$", out)
+    assert len(rewards) == 2 and all(0 <= r <= 1 for row in rewards for r in row), rewards  # the task's reward is 0/1
+    ((speed, ratio, idle),) = figures(r"\nrl_loop +NUMBER +NUMBERx +NUMBER%", out)
+    assert speed > 0 and ratio == 1.0 and 0 <= idle <= 100
+
+
+def check_trainer_throughput(variants: list[str]) -> Callable[[str], None]:
+    def check(out: str) -> None:
+        (tokens,) = figures(r"tokens/step=NUMBER", out)[0]
+        for variant in variants:
+            ((padded,),) = figures(rf"padded  {re.escape(variant)} +step_s=\S+ fwd_bwd_s=\S+ \S+ computed=NUMBER", out)
+            ((packed,),) = figures(rf"packed  {re.escape(variant)} +step_s=\S+ fwd_bwd_s=\S+ \S+ computed=NUMBER", out)
+            # Packing runs exactly the step's tokens; padding runs more (the uneven rows' pad).
+            assert packed == tokens < padded, (variant, packed, tokens, padded)
+        assert all(x > 0 for x, _ in figures(r"_speedup=NUMBERx \(forward_backward alone NUMBERx\)", out))
+    return check
+
+
+def check_machine_peak(out: str) -> None:
+    ((fp32,),) = figures(r"float32 peak +NUMBER GFLOP/s", out)
+    ((bf16,),) = figures(r"bfloat16 peak +NUMBER GFLOP/s", out)
+    ((bandwidth,),) = figures(r"memory bandwidth +NUMBER GB/s", out)
+    assert 0.1 < fp32 < 1e6 and 0.1 < bf16 < 1e6 and 0.1 < bandwidth < 1e5, (fp32, bf16, bandwidth)
+
+
+def check_lora_engine(ways: list[str]) -> Callable[[str], None]:
+    def check(out: str) -> None:
+        for way in ways:
+            rows = figures(rf"(?m)^ +{way} +prefill +NUMBER ms/token \(NUMBERx\) +decode +NUMBER ms/step "
+                           r"\(NUMBERx\)", out)
+            assert len(rows) == 2 and all(x > 0 for row in rows for x in row), (way, rows)
+            if way == "merged":  # the reference every ratio is taken against
+                assert all(row[1] == row[3] == 1.0 for row in rows), rows
+    return check
+
+
+def check_eval_spread(out: str) -> None:
+    ((mean, low, high),) = figures(r"eval after training NUMBER over 1 runs, range NUMBER-NUMBER", out)
+    assert 0 <= low == mean == high <= 1  # one run: its reward, a fraction of the held-out rows
+
+
+def check_openmp_threads(out: str) -> None:
+    rows = dict((name, (ms, ratio)) for name, ms, ratio in re.findall(
+        rf"as installed +(main|thread|thread, main idle|second thread) +{NUMBER} ms/step \({NUMBER}x main\)", out))
+    assert set(rows) == {"main", "thread", "thread, main idle", "second thread"}, out
+    assert rows["main"][1] == "1.00" and all(float(ms) > 0 for ms, _ in rows.values())
+
+
+def check_cpu_sharing(out: str) -> None:
+    ((alone_train, alone_sample, _),) = figures(r"training NUMBER s a unit \(T_t\), sampling NUMBER s a unit \(T_e\), "
+                                                r"T_e/T_t NUMBER", out)
+    ((share,),) = figures(r"shared clock NUMBER% of it", out)
+    ((rl_loop, async_step, bound),) = figures(
+        r"rl_loop NUMBER s, async at most NUMBER s: async/rl_loop at most NUMBERx", out)
+    # rl_loop does the unit of training, then the unit of sampling: their times alone add up.
+    assert rl_loop == pytest.approx(alone_train + alone_sample, abs=0.002) and 0 < share <= 100
+    assert async_step > 0 and bound == pytest.approx(rl_loop / async_step, rel=0.02)
+
+
+def check_logprob_head(out: str) -> None:
+    ((logprob, hidden, head),) = figures(r"max \|logprob diff\| NUMBER; gradient diff / max \|gradient\|: hidden "
+                                         r"NUMBER, head weight NUMBER", out)
+    assert logprob < 1e-5 and hidden < 1e-3 and head < 1e-3  # the blocked head computes what the whole one does
+    assert all(x > 0 for row in figures(r"speed-up of blocked: no-grad NUMBERx, fwd\+bwd NUMBERx", out) for x in row)
+
+
+def check_cpu_attention(out: str) -> None:
+    ((decode, prefill, tokens),) = figures(r"(?m)^cpu_decode_sdpa +NUMBER +NUMBER +NUMBER$", out)
+    assert decode > 0 and prefill > 0 and tokens > 0
+    rows = figures(r"(?m)^(?:main-job|trl|uneven) +NUMBER +NUMBER +NUMBERx$", out)
+    assert len(rows) == 3 and all(sdpa > 0 and ours > 0 and ratio == pytest.approx(sdpa / ours, abs=0.02)
+                                  for sdpa, ours, ratio in rows), rows
+
+
 SCRIPTS = {
     "sampler_throughput": (["--model", "tiny-random", "--requests", "4", "--max-tokens", "8"],
-                           "ratio engine/generate"),
-    "prefix_cache": (["--examples", "multi_turn", "--model", "tiny-random", "--steps", "1"],
-                     "prefill tokens: off / default"),
+                           check_sampler_throughput),
+    "prefix_cache": (["--examples", "multi_turn", "--model", "tiny-random", "--steps", "1"], check_prefix_cache),
     "async_vs_sync": (["--steps", "3", "--hidden", "64", "--layers", "2", "--only", "rl_loop", "async O=1"],
-                      "reward per step"),
+                      check_async_vs_sync),
     "trainer_throughput": (["--model", "tiny-random", "--batch", "4", "--seq-len", "64", "--steps", "1",
                             "--warmup", "0", "--variants", "full,lora4+ckpt,lora4+peft"],
-                           "lora4+peft_over_full_speedup"),
+                           check_trainer_throughput(["full", "lora4+ckpt", "lora4+peft"])),
     "trainer_throughput bf16": (["--model", "tiny-random", "--batch", "4", "--seq-len", "64", "--steps", "1",
                                  "--warmup", "0", "--variants", "lora4,lora4+percast", "--precision",
-                                 "bf16-autocast"], "lora4+percast_over_lora4_speedup"),
-    "machine_peak": ([], "float32"),
-    "lora_engine": (["--model", "tiny-random", "--repeats", "1"], "added"),
-    "lora_engine bf16": (["--model", "tiny-random", "--repeats", "1", "--dtype", "bfloat16"], "unmerged"),
+                                 "bf16-autocast"], check_trainer_throughput(["lora4", "lora4+percast"])),
+    "machine_peak": ([], check_machine_peak),
+    "lora_engine": (["--model", "tiny-random", "--repeats", "1"],
+                    check_lora_engine(["merged", "peft", "added", "unmerged"])),
+    "lora_engine bf16": (["--model", "tiny-random", "--repeats", "1", "--dtype", "bfloat16"],
+                         check_lora_engine(["merged", "unmerged"])),
     "eval_spread": (["--example", "multi_turn", "--runs", "1", "--no-shipped", "--arm", 'cosine={"trainer": '
                      '{"lr_schedule": "cosine"}}', "--set", '{"model": "tiny-random", "max_steps": 1, "sampling": '
                      '{"max_tokens": 4}, "completions_per_prompt": 2, "prompt_groups_per_step": 2}'],
-                    "over 1 runs, range"),
-    "openmp_threads": (["--model", "tiny-random", "--context", "16", "--steps", "2"], "second thread"),
-    "cpu_sharing": (["--model", "tiny-random", "--units", "1", "--seconds", "2"], "async/rl_loop at most"),
+                    check_eval_spread),
+    "openmp_threads": (["--model", "tiny-random", "--context", "16", "--steps", "2"], check_openmp_threads),
+    "cpu_sharing": (["--model", "tiny-random", "--units", "1", "--seconds", "2"], check_cpu_sharing),
     "logprob_head": (["--vocab", "300", "--hidden", "16", "--tokens", "40", "--chunk-tokens", "16", "--entropy",
-                      "--repeats", "1"], "speed-up of blocked"),
+                      "--repeats", "1"], check_logprob_head),
     "cpu_attention": (["--model", "tiny-random", "--groups", "2", "--group-size", "2", "--max-tokens", "4",
-                       "--repeats", "1", "--trainer-steps", "1", "--uneven-len", "24"], "uneven"),
+                       "--repeats", "1", "--trainer-steps", "1", "--uneven-len", "24"], check_cpu_attention),
 }
+"""Each script's arguments, and a check of the figures it prints: a count that follows from the arguments, a sign,
+a range, or one figure that follows from others it prints (never a speed, which a loaded machine moves)."""
+
+
+@pytest.mark.parametrize("check", sorted(SCRIPTS))
+def test_the_figures_each_check_reads_are_in_the_output_it_was_written_against(check):
+    """Each check fails on output that lacks its figures, so a script whose report changed cannot pass unread."""
+    with pytest.raises(AssertionError):
+        SCRIPTS[check][1]("[]\n")
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_benchmark_script_runs(script, tmp_path):
     """`script` is the script's name, then what its arguments try where one script has two entries."""
-    args, expected = SCRIPTS[script]
+    args, check = SCRIPTS[script]
     script = script.split()[0]
     env = os.environ | {"PYTHONPATH": str(REPO)}
     if script == "machine_peak":  # probes into a cache of its own, so the machine's cached peaks stay as measured
@@ -53,7 +171,7 @@ def test_benchmark_script_runs(script, tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert expected in done.stdout
+    check(done.stdout)
 
 
 def test_eval_spread_reports_a_run_past_its_time_limit_and_exits_nonzero(tmp_path):

@@ -4,6 +4,7 @@ import ast
 import io
 import re
 import tokenize
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "training"
 MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 100
+OVERSIZED = {
+    # definition -> the lines it has now, its ceiling: it may not grow; split it and drop its entry
+    "training/utils/deploy/engine.py:Engine": 426,
+    "training/utils/trainer/core.py:Trainer": 411,
+    "training/utils/rl/async_rl/producer.py:RolloutProducer": 311,
+    "training/examples/rl/single_turn_token_in/measure_baseline.py:main": 106,
+}
 
 FORBIDDEN_IMPORTS = [
     # (importing modules, imported modules it must not reach, why)
@@ -33,17 +43,18 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def library_imports(source: str, module: str) -> set[str]:
-    """Modules of `training` that `source` imports at run time (lazy imports included, `TYPE_CHECKING` blocks not)."""
+def library_imports(source: str, module: str, *, type_checking: bool = False) -> set[str]:
+    """Modules of `training` that `source` imports at run time (lazy imports included; `TYPE_CHECKING` blocks only
+    with `type_checking`): for `from x import y` both `x` and `x.y` (which may be a module or a name)."""
     tree = ast.parse(source)
-    type_checking = {
+    type_only = set() if type_checking else {
         id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
         for node in ast.walk(block)
     }
-    package = module.rsplit(".", 1)[0]
+    package = module if module in PACKAGES else module.rsplit(".", 1)[0]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in type_checking:
+        if id(node) in type_only:
             continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
@@ -56,10 +67,41 @@ def library_imports(source: str, module: str) -> set[str]:
     return {name for name in found if name == "training" or name.startswith("training.")}
 
 
-def violations(module: str, imported: set[str]) -> list[str]:
-    def within(name: str, prefix: str) -> bool:
-        return name == prefix or name.startswith(prefix + ".")
+def loaded_modules(module: str, imported: set[str]) -> set[str]:
+    """The modules of the tree that importing `imported` from `module` runs: each name that is a module, and the
+    packages above it that `module` is not inside (importing `a.b.c` runs `a/b/__init__.py` first)."""
+    loaded = set()
+    for name in imported & set(MODULES):
+        parts = name.split(".")
+        loaded |= {".".join(parts[:n]) for n in range(1, len(parts) + 1)
+                   if not within(module, ".".join(parts[:n]))}
+    return loaded - {module}
 
+
+def import_graph(sources: dict[str, str], *, type_checking: bool = False) -> dict[str, set[str]]:
+    """module -> the modules of the tree it loads directly (`loaded_modules`), from each module's source."""
+    return {module: loaded_modules(module, library_imports(source, module, type_checking=type_checking))
+            for module, source in sources.items()}
+
+
+def reached(graph: dict[str, set[str]], module: str) -> dict[str, list[str]]:
+    """Every module importing `module` loads, directly or through others, with the shortest chain of imports."""
+    paths, queue = {module: [module]}, deque([module])
+    while queue:
+        current = queue.popleft()
+        for target in sorted(graph.get(current, ())):
+            if target not in paths:
+                paths[target] = paths[current] + [target]
+                queue.append(target)
+    del paths[module]
+    return paths
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def violations(module: str, imported: set[str]) -> list[str]:
     found = [f"{module} imports {name}: {why}" for importer, banned, why in FORBIDDEN_IMPORTS
              if within(module, importer) for name in sorted(imported) if within(name, banned)]
     if module in PURE_REGISTRIES:
@@ -69,14 +111,76 @@ def violations(module: str, imported: set[str]) -> list[str]:
     return found
 
 
+def indirect_violations(graph: dict[str, set[str]]) -> list[str]:
+    """A module that loads, through any chain of imports (lazy ones included), a module its layer may not: the
+    chain named. The registries sit below the config and the floor, whatever their folder (their own imports are
+    held to `PURE_REGISTRIES`' rule), and so does the empty package around them."""
+    below_the_config = {*PURE_REGISTRIES, "training.utils.rl"}
+    found = []
+    for module in sorted(graph):
+        for target, path in reached(graph, module).items():
+            if target in below_the_config:
+                continue
+            found += [f"{problem} (through {' -> '.join(path)})" for problem in violations(module, {target})
+                      if module not in PURE_REGISTRIES]
+    return found
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Sets of modules that import one another round a loop (strongly connected, more than one module)."""
+    circles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
 def library_modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
+MODULES = {module_name(path): path for path in library_modules()}
+PACKAGES = {module_name(path) for path in library_modules() if path.name == "__init__.py"}
+
+
+def sources() -> dict[str, str]:
+    return {module: path.read_text() for module, path in MODULES.items()}
+
+
 def test_imports_run_from_higher_layers_to_lower_ones_only():
-    found = [v for path in library_modules() for v in violations(module_name(path),
-                                                                 library_imports(path.read_text(), module_name(path)))]
+    found = [v for module, source in sources().items() for v in violations(module, library_imports(source, module))]
     assert not found, "\n".join(found)
+
+
+def test_no_module_reaches_a_forbidden_layer_through_other_modules():
+    found = indirect_violations(import_graph(sources()))
+    assert not found, "\n".join(found)
+
+
+def test_no_import_circles():
+    """Not even through a type annotation: two modules that name each other are one idea split badly, or a lower
+    one that knows its caller."""
+    circles = import_circles(import_graph(sources(), type_checking=True))
+    assert not circles, "modules importing one another in a loop: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
 @pytest.mark.parametrize("source, module, expected", [
@@ -93,6 +197,30 @@ def test_the_import_check_catches_an_upward_import(source, module, expected):
     assert any(v.startswith(expected) for v in violations(module, library_imports(source, module)))
 
 
+def test_the_import_check_catches_a_lazy_upward_import_made_through_a_lower_module():
+    """deploy -> lora is allowed, but a lazy import of the trainer inside lora.py makes every deployment load the
+    trainer: the check names the deployment module and the chain."""
+    tree = sources()
+    tree["training.utils.lora"] += "\ndef _head():\n    import training.utils.trainer.logprob_head\n"
+    found = indirect_violations(import_graph(tree))
+    assert any(v.startswith("training.utils.deploy imports training.utils.trainer") and
+               "training.utils.lora -> training.utils.trainer" in v for v in found), found
+    assert not indirect_violations(import_graph(sources()))
+
+
+def test_the_circle_check_finds_a_loop_through_a_lazy_or_a_type_only_import():
+    tree = sources()
+    tree["training.utils.peft_names"] += "\n\ndef _f():\n    from training.utils.lora_layers import AddedLoraLinear\n"
+    assert ["training.utils.lora_layers", "training.utils.peft_names"] in import_circles(import_graph(tree))
+    tree = sources()
+    tree["training.utils.rl.agent.reply"] += ("\nif TYPE_CHECKING:\n"
+                                              "    from training.utils.rl.agent.wire_format import TurnCodec\n")
+    graph = import_graph(tree, type_checking=True)
+    assert any({"training.utils.rl.agent.reply", "training.utils.rl.agent.wire_format"} <= set(circle)
+               for circle in import_circles(graph))
+    assert not import_circles(import_graph(tree))  # at run time there is none
+
+
 def test_type_checking_imports_are_not_runtime_dependencies():
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from training.utils.config import TISConfig\n"
     assert library_imports(source, "training.utils.rl.losses") == set()
@@ -102,6 +230,48 @@ def test_no_module_is_longer_than_the_limit():
     long = {str(p.relative_to(ROOT)): n for p in library_modules() if (n := len(p.read_text().splitlines()))
             > MAX_MODULE_LINES}
     assert not long, f"split these along their seams (limit {MAX_MODULE_LINES} lines): {long}"
+
+
+def definition_lengths(source: str, path: str) -> dict[str, tuple[str, int]]:
+    """`path:Name` -> ("class" or "function", its lines) for every class and function in `source`, nested included."""
+    return {f"{path}:{node.name}": ("class" if isinstance(node, ast.ClassDef) else "function",
+                                    node.end_lineno - node.lineno + 1)
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def oversized(lengths: dict[str, tuple[str, int]], ceilings: dict[str, int] = OVERSIZED) -> list[str]:
+    """Definitions past their limit (`MAX_CLASS_LINES`, `MAX_FUNCTION_LINES`), or past their ceiling in
+    `ceilings`; and ceilings that are no longer needed (the definition shrank under the limit, or is gone)."""
+    limits = {"class": MAX_CLASS_LINES, "function": MAX_FUNCTION_LINES}
+    found = [f"{name}: a {kind} of {n} lines (limit {ceilings.get(name, limits[kind])})"
+             for name, (kind, n) in sorted(lengths.items()) if n > ceilings.get(name, limits[kind])]
+    found += [f"{name}: listed in OVERSIZED but {'gone' if name not in lengths else 'within the limit'}; "
+              "remove its entry" for name in sorted(ceilings)
+              if name not in lengths or lengths[name][1] <= limits[lengths[name][0]]]
+    return found
+
+
+def test_no_class_or_function_is_longer_than_its_limit():
+    """A module under its limit can still be one class that does everything: classes and functions have limits of
+    their own. The few already past them may not grow; split one along an idea and its ceiling goes."""
+    lengths = {}
+    for path in library_modules():
+        lengths |= definition_lengths(path.read_text(), str(path.relative_to(ROOT)))
+    found = oversized(lengths)
+    assert not found, "split these along an idea:\n" + "\n".join(found)
+
+
+def test_the_size_check_catches_a_long_class_a_grown_one_and_a_stale_ceiling():
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_CLASS_LINES))
+    assert oversized(definition_lengths(f"class Big:\n{body}", "m.py"), {}) == [
+        f"m.py:Big: a class of {MAX_CLASS_LINES + 1} lines (limit {MAX_CLASS_LINES})"]
+    listed = dict.fromkeys(OVERSIZED, ("class", 1))
+    assert all("remove its entry" in v for v in oversized(listed)) and len(oversized(listed)) == len(OVERSIZED)
+    name, ceiling = "training/utils/deploy/engine.py:Engine", OVERSIZED["training/utils/deploy/engine.py:Engine"]
+    assert oversized({name: ("class", ceiling)}, {name: ceiling}) == []
+    assert oversized({name: ("class", ceiling + 1)}, {name: ceiling}) == [
+        f"{name}: a class of {ceiling + 1} lines (limit {ceiling})"]
 
 
 def listed_layout() -> set[str]:

@@ -21,6 +21,13 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+
+def projects_in_blocks(lm_head: torch.nn.Module) -> bool:
+    """Whether the trainer's `logprob_head.token_logprobs` computes this head a block at a time reading its weight
+    (`ProjectedLogprobs`, which takes the weight's kept cast): a plain `nn.Linear`."""
+    return type(lm_head) is torch.nn.Linear
+
+
 _CASTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """parameter -> its `_Cast`."""
 

@@ -35,7 +35,6 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -43,15 +42,8 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from training.utils.errors import ConfigError, DeploymentError
-
-if TYPE_CHECKING:
-    from training.utils.trainer import Datum, Trainer
-
-ADAPTER = "default"
-"""The one adapter the trainer creates (peft's default name)."""
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-"""What peft's `save_pretrained` writes: the config, and the weights in one of these files."""
+from training.utils.frozen_casts import cast_of, projects_in_blocks
+from training.utils.peft_names import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -99,27 +91,6 @@ def adapters_enabled(model: torch.nn.Module) -> bool:
     """Whether `model` runs its LoRA adapters now: False inside `adapters_disabled` (peft's public property, read
     without a walk over the layers), True for any model without adapters."""
     return getattr(model, "has_active_enabled_adapter", True)
-
-
-class AdapterDisabledReference:
-    """The reference model of a LoRA policy: the policy's base model, i.e. its own module run
-    with the adapters disabled. It answers `logprobs` like a frozen `Trainer` and holds no
-    weights of its own, so `kl_beta > 0` costs no second copy of the model.
-
-    Call it on the thread that trains the policy: the adapters are off for the whole call.
-    """
-
-    trainable = False
-
-    def __init__(self, policy: Trainer) -> None:
-        self.policy = policy
-
-    def logprobs(
-        self, datums: list[Datum], temperature: float = 1.0, *, with_entropy: bool = False
-    ) -> list[Tensor] | tuple[list[Tensor], list[Tensor]]:
-        """`Trainer.logprobs` of the base model (bit-identical to the model before wrapping)."""
-        with adapters_disabled(self.policy.model):
-            return self.policy.logprobs(datums, temperature, with_entropy=with_entropy)
 
 
 @torch.no_grad()
@@ -206,7 +177,6 @@ def frozen_matmul_weights(model: torch.nn.Module) -> list[Tensor]:
     """The frozen weights a LoRA model's matmuls read: each adapted layer's base weight and a plain linear output
     head's weight (tied to the input embedding or not), each once; what `frozen_casts.keep_casts` keeps cast."""
     from training.utils.lora_layers import AddedLoraLinear
-    from training.utils.trainer.logprob_head import projects_in_blocks
 
     weights = [layer.get_base_layer().weight for layer in model.modules() if isinstance(layer, AddedLoraLinear)]
     head = model.get_output_embeddings()
@@ -229,7 +199,6 @@ def shared_base_copy(model: torch.nn.Module, dtype: torch.dtype | None = None
     Safe because a LoRA trainer never writes its base: only the adapters have gradients and optimizer state.
     The engine then computes the function the trainer differentiates (the same unmerged matmuls), not a merge of it.
     """
-    from training.utils.frozen_casts import cast_of
     from training.utils.lora_layers import UnmergedLinear
 
     frozen = {id(p): p for p in model.parameters() if not p.requires_grad}

@@ -14,7 +14,7 @@ from peft.tuners.lora import Linear as PeftLinear
 from torch import Tensor
 
 from training.utils.frozen_casts import autocast_cast_of
-from training.utils.lora import ADAPTER
+from training.utils.peft_names import ADAPTER
 
 
 def plain_linear_adapter(layer: PeftLinear) -> bool:

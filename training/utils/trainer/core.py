@@ -44,7 +44,6 @@ from training.utils.cpu_attention import NAME as CPU_ATTENTION, PIECES, use_cpu_
 from training.utils.errors import ConfigError
 from training.utils.flops import decoder_shape, forward_flops, shared_prefix_pairs
 from training.utils.lora import (
-    AdapterDisabledReference,
     adapter_state,
     adapters_enabled,
     merged_state_dict,
@@ -70,6 +69,7 @@ from training.utils.trainer.compiled import CompiledLayers
 from training.utils.trainer.logprob_head import token_logprobs
 from training.utils.trainer.optim import guarded_step, lr_multiplier, max_abs, param_groups
 from training.utils.trainer.precision import autocast, keep_frozen_casts, resolve_precision, weight_dtype
+from training.utils.trainer.reference import AdapterDisabledReference
 from training.utils.trainer.sharding import MetricTotals, ShardedRoot, gather_to_main, unsharded_copy
 from training.utils.trainer.shared_prefix import PrefixBundle, PrefixSharing, prefix_bundles, shared_prefix_mask
 

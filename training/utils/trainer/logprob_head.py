@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from training.utils.frozen_casts import cast_of
+from training.utils.frozen_casts import cast_of, projects_in_blocks
 
 BLOCK_ELEMENTS = 1 << 22
 """Logits per block (tokens × vocabulary columns) on a CPU: 16 MiB in float32, under glibc's largest mmap threshold,
@@ -31,11 +31,6 @@ def block_columns(num_tokens: int, device: torch.device) -> int:
     """Vocabulary columns per block for a chunk of `num_tokens` positions on `device`."""
     elements = BLOCK_ELEMENTS if device.type == "cpu" else ACCELERATOR_BLOCK_ELEMENTS
     return max(1, elements // max(1, num_tokens))
-
-
-def projects_in_blocks(lm_head: torch.nn.Module) -> bool:
-    """Whether `token_logprobs` computes this head a block at a time (`ProjectedLogprobs`): a plain `nn.Linear`."""
-    return type(lm_head) is torch.nn.Linear
 
 
 BUFFERS_PER_BLOCK = 4

@@ -52,11 +52,11 @@ from training.utils.config import AgentShimConfig
 from training.utils.errors import DeploymentError, RecoverableRolloutError
 from training.utils.rl.agent.chat_format import ChatFormat
 from training.utils.rl.agent.chat_request import ChatRequest, WireError, refuse_unseen
-from training.utils.rl.agent.reply import client_reply
+from training.utils.rl.agent.reply import WireReply, client_reply
 from training.utils.rl.agent.request_body import RequestWorkers
 from training.utils.rl.agent.session import PreparedTurn, ShimSession, StagedTurn
 from training.utils.rl.agent.turn_queue import QueueTimeoutError
-from training.utils.rl.agent.wire_format import TurnCodec, WireReply
+from training.utils.rl.agent.wire_format import TurnCodec
 from training.utils.rl.rollout.stitching import TraceIntegrityError
 
 logger = logging.getLogger(__name__)

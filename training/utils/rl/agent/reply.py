@@ -81,3 +81,16 @@ def reported_finish(finish_reason: str, limited_by: str, report_trainer_cap_as: 
     if limited_by == "client" or report_trainer_cap_as == "max_tokens":
         return "length"
     return "stop"
+
+
+@dataclass(frozen=True)
+class WireReply:
+    """A reply encoded by one wire format, and what its client will send back for it."""
+
+    response_id: str
+    body: dict
+    """The JSON response."""
+    echo: dict
+    """The assistant chat message the client sends back for this reply, which later requests are matched on."""
+    events: list[bytes] | None
+    """The stream events when the request asked to stream, else None; the last two only close the stream."""

@@ -58,7 +58,7 @@ from training.utils.rl.rollout.turn_matching import (
 from training.utils.rl.rollout.types import RolloutRun
 
 if TYPE_CHECKING:
-    from training.utils.rl.agent.wire_format import WireReply
+    from training.utils.rl.agent.reply import WireReply
 
 ANSWERS_KEPT = 16
 """Replies a session keeps for replaying retries, the latest first. An SDK retries the call it has just made, and

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 
 from training.utils.rl.agent.chat_request import overflow_message
+from training.utils.rl.agent.reply import ClientReply, WireReply
 
 if TYPE_CHECKING:
     from training.utils.rl.agent.chat_format import ChatFormat
     from training.utils.rl.agent.chat_request import ChatRequest
-    from training.utils.rl.agent.reply import ClientReply
     from training.utils.rl.agent.session import ShimSession
 
 
@@ -46,19 +46,6 @@ class WireServer(Protocol):
 
 
 RouteHandler = Callable[[WireServer, web.Request], Awaitable[web.StreamResponse]]
-
-
-@dataclass(frozen=True)
-class WireReply:
-    """A reply encoded by one wire format, and what its client will send back for it."""
-
-    response_id: str
-    body: dict
-    """The JSON response."""
-    echo: dict
-    """The assistant chat message the client sends back for this reply, which later requests are matched on."""
-    events: list[bytes] | None
-    """The stream events when the request asked to stream, else None; the last two only close the stream."""
 
 
 @dataclass(frozen=True)
