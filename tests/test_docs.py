@@ -11,6 +11,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
+import config_page
 import training
 from training import (
     OverlongConfig,
@@ -135,6 +136,21 @@ def documented_config() -> dict[str, dict[str, str]]:
         if names := backticked(heading):
             documented[names[-1]] = {backticked(row[0])[0]: row[1] for row in table_rows(section, "field")}
     return documented
+
+
+def test_the_configuration_page_is_generated_from_the_field_docstrings():
+    """Each field's meaning lives in its docstring; the page's tables are rendered from them (`tests/config_page.py`),
+    so a docstring, a default or a field that changed without the page fails here."""
+    page = (DOCS / "configuration.md").read_text()
+    assert config_page.generated_part(page) == config_page.render(), (
+        "docs/configuration.md differs from the config models: run `python tests/config_page.py`")
+
+
+def test_the_configuration_page_opens_with_the_settings_the_examples_set():
+    page = (DOCS / "configuration.md").read_text()
+    first = page.split("\n## ")[1]
+    assert first.startswith("The settings the examples set")
+    assert [backticked(row[0])[0] for row in table_rows(first, "setting")] == list(config_page.EXAMPLE_SETTINGS)
 
 
 def test_the_configuration_page_has_a_section_for_every_config_model():
