@@ -301,3 +301,47 @@ def running_router(venv: Path, worker_urls: Sequence[str], log: Path, *, policy:
         yield router
     finally:
         _stop(process)
+
+
+class VLLMProcess:
+    """A vLLM server that a test stops and starts again on the same port (a replica killed mid-run and restarted),
+    pinned to CPU `cores` (`taskset`, and vLLM's own `VLLM_CPU_OMP_THREADS_BIND`) so several share a machine."""
+
+    def __init__(self, venv: Path, model_dir: Path, log: Path, *, cores: str, extra_args: Sequence[str] = ()):
+        self.venv, self.model_dir, self.log, self.cores = venv, model_dir, log, cores
+        self.extra_args = tuple(extra_args)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self, model_dir: Path | None = None) -> None:
+        """Launch (on `model_dir` if given, else the first one); returns at once: `wait_healthy` waits."""
+        self.model_dir = model_dir or self.model_dir
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
+                   VLLM_CPU_OMP_THREADS_BIND=self.cores, OMP_NUM_THREADS=str(len(self.cores.split(","))),
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        command = ["taskset", "-c", self.cores, str(self.venv / "bin" / "python"), "-m",
+                   "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir), "--served-model-name",
+                   "policy", "--host", "127.0.0.1", "--port", str(self.port), *SERVER_ARGS, *EAGER, *self.extra_args]
+        self.starts += 1
+        with open(self.log, "a") as out:
+            out.write(f"\n==== start {self.starts}: {' '.join(command)}\n")
+            out.flush()
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        _wait_healthy(self.process, VLLMServer(self.url, self.model_dir, self.log, self.process.pid, 0.0), timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL to the server's whole process group at once: a crash, not a shutdown."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop(self.process)

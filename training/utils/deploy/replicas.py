@@ -41,8 +41,10 @@ logger = logging.getLogger(__name__)
 REPLICA_CHECK_INTERVAL_S = 1.0
 """How often the watch asks every replica for its health and weight version: a killed server is out of rotation
 within about this long, before a router's own, slower health check would notice."""
-PROBE_TIMEOUT_S = 5.0
-"""How long one health or version probe may take before the replica counts as not answering."""
+PROBE_TIMEOUT_S = 30.0
+"""How long one health or version probe may take before the replica counts as not answering. A server that is
+gone refuses the connection at once; one that is only busy (a CPU server sampling on its one core answers its
+admin endpoints seconds late) must not be taken for gone."""
 SERVING, OUT = "serving", "out"
 VLLM_METRICS = {"requests": "vllm:request_success_total", "tokens": "vllm:generation_tokens_total",
                 "in_flight": "vllm:num_requests_running"}
