@@ -222,3 +222,126 @@ def _stop(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)  # the group the server leads (start_new_session): its engine too
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=10)
+
+
+# ---- vllm-router (vLLM's own load balancer, PyPI) in front of several servers ------------------------------------
+
+VLLM_ROUTER_VERSION = "0.1.17"
+ROUTER_START_TIMEOUT_S = 120.0
+
+
+def router_venv() -> Path:
+    """The venv holding `vllm-router==VLLM_ROUTER_VERSION`, made on first use the way `vllm_venv` makes its own (a
+    lock, a `.complete` mark); skips the test with one line when the registry is unreachable."""
+    venv = cache_dir() / f"vllm-router-{VLLM_ROUTER_VERSION}"
+    if (venv / _COMPLETE).is_file():
+        return venv
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(venv.with_name(venv.name + ".lock"), INSTALL_TIMEOUT_S):
+        if (venv / _COMPLETE).is_file():
+            return venv
+        url = f"{_index_url()}/vllm-router/"
+        try:
+            with urllib.request.urlopen(url, timeout=20) as resp:
+                resp.read(1)
+        except (urllib.error.URLError, OSError) as e:
+            pytest.skip(f"real_vllm: the package registry is unreachable ({url}: {getattr(e, 'reason', e)}); it is "
+                        f"needed once, to install vllm-router=={VLLM_ROUTER_VERSION} into {venv}")
+        if venv.exists():
+            shutil.rmtree(venv)  # an install that did not finish
+        log = venv.with_name(venv.name + ".install.log")
+        python = str(venv / "bin" / "python")
+        with open(log, "w") as out:
+            for step in ([sys.executable, "-m", "venv", str(venv)],
+                         [python, "-m", "pip", "install", f"vllm-router=={VLLM_ROUTER_VERSION}"]):
+                out.write(f"$ {' '.join(step)}\n")
+                out.flush()
+                code = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, timeout=INSTALL_TIMEOUT_S).returncode
+                if code != 0:
+                    raise RuntimeError(f"installing vllm-router=={VLLM_ROUTER_VERSION} into {venv} failed at "
+                                       f"`{' '.join(step)}` ({code}); {log} ends:\n{_tail(log)}")
+        (venv / _COMPLETE).write_text(f"vllm-router=={VLLM_ROUTER_VERSION}\n")
+    return venv
+
+
+@dataclass
+class Router:
+    url: str
+    log: Path
+    pid: int
+
+
+@contextlib.contextmanager
+def running_router(venv: Path, worker_urls: Sequence[str], log: Path, *, policy: str = "consistent_hash",
+                   extra_args: Sequence[str] = ()) -> Iterator[Router]:
+    """vllm-router on a free port of 127.0.0.1 in front of `worker_urls` (healthy servers), routing by `policy`;
+    stopped on exit the way a server is."""
+    port = _free_port()
+    command = [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *worker_urls, "--policy", policy, *extra_args]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=dict(os.environ, NO_PROXY="127.0.0.1,localhost"))
+    router = Router(f"http://127.0.0.1:{port}", log, process.pid)
+    try:
+        deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {process.returncode}; {log} ends:\n{_tail(log)}")
+            try:
+                with urllib.request.urlopen(router.url + "/list_workers", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm-router at {router.url} did not answer within {ROUTER_START_TIMEOUT_S:g}s; "
+                                   f"{log} ends:\n{_tail(log)}")
+            time.sleep(0.5)
+        yield router
+    finally:
+        _stop(process)
+
+
+class VLLMProcess:
+    """A vLLM server that a test stops and starts again on the same port (a replica killed mid-run and restarted),
+    pinned to CPU `cores` (`taskset`, and vLLM's own `VLLM_CPU_OMP_THREADS_BIND`) so several share a machine."""
+
+    def __init__(self, venv: Path, model_dir: Path, log: Path, *, cores: str, extra_args: Sequence[str] = ()):
+        self.venv, self.model_dir, self.log, self.cores = venv, model_dir, log, cores
+        self.extra_args = tuple(extra_args)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self, model_dir: Path | None = None) -> None:
+        """Launch (on `model_dir` if given, else the first one); returns at once: `wait_healthy` waits."""
+        self.model_dir = model_dir or self.model_dir
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
+                   VLLM_CPU_OMP_THREADS_BIND=self.cores, OMP_NUM_THREADS=str(len(self.cores.split(","))),
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        command = ["taskset", "-c", self.cores, str(self.venv / "bin" / "python"), "-m",
+                   "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir), "--served-model-name",
+                   "policy", "--host", "127.0.0.1", "--port", str(self.port), *SERVER_ARGS, *EAGER, *self.extra_args]
+        self.starts += 1
+        with open(self.log, "a") as out:
+            out.write(f"\n==== start {self.starts}: {' '.join(command)}\n")
+            out.flush()
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        _wait_healthy(self.process, VLLMServer(self.url, self.model_dir, self.log, self.process.pid, 0.0), timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL to the server's whole process group at once: a crash, not a shutdown."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop(self.process)

@@ -50,6 +50,18 @@ class DeploymentConfig(StrictModel):
     OpenAI-compatible completions server that returns token ids and logprobs (sampling only, no weight sync)."""
     base_url: str | None = None
     """Root URL of an external server, e.g. `http://gpu-node:8000` (without `/v1`); required unless `embedded`."""
+    replica_urls: list[str] | None = None
+    """Root URLs of several servers of `kind` (vllm, sglang) serving the same model, e.g.
+    `["http://gpu0:8000", "http://gpu1:8000"]`, instead of `base_url`: weights go to every live replica at once and a
+    version is published only when all of them serve it; a replica that stops answering, fails its sync or serves
+    another version is taken out with a warning, and re-synced before it serves again (docs/deployments.md: Several
+    replicas). Without `router_url` each new trajectory goes to the replica with the fewest requests in flight and
+    stays there (its affinity key)."""
+    router_url: str | None = None
+    """Root URL of a router in front of `replica_urls` (vllm-router for vLLM, SGLang's router for SGLang), started
+    with exactly those workers: requests go through it, its own policy chooses the replica (`consistent_hash` keeps
+    one trajectory on one replica: it hashes the `X-Session-ID` header the sampler sends), and a replica taken out
+    is removed from it (`/remove_worker`) until it is re-synced (`/add_worker`). Needs `replica_urls`."""
     host: str = "127.0.0.1"
     """Bind address of the embedded server. Anything but loopback requires `api_key`."""
     port: int = Field(0, ge=0, le=65535)
@@ -134,20 +146,42 @@ class DeploymentConfig(StrictModel):
     @model_validator(mode="after")
     def _kind_combinations(self) -> DeploymentConfig:
         allowed = WEIGHT_SYNCS[self.kind]
+        several = self.replica_urls is not None or self.router_url is not None
+        if several:
+            self._check_replicas()
         if self.kind == "embedded":
             if self.weight_sync not in allowed:
                 raise ValueError(f"deployment.weight_sync={self.weight_sync!r} is for external servers; "
                                  f"the embedded deployment takes {' or '.join(map(repr, allowed))}")
             return self
-        if not self.base_url:
+        if not several and not self.base_url:
             raise ValueError(f"deployment.kind={self.kind!r} needs deployment.base_url (e.g. 'http://localhost:8000')")
-        if not self.base_url.startswith(("http://", "https://")) or self.base_url.rstrip("/").endswith("/v1"):
-            raise ValueError(f"deployment.base_url={self.base_url!r}: give the server's root URL, "
-                             "'http(s)://host:port' without '/v1'")
+        for field, url in (("base_url", self.base_url), ("router_url", self.router_url),
+                           *(("replica_urls", u) for u in self.replica_urls or ())):
+            if url is not None and (not url.startswith(("http://", "https://")) or url.rstrip("/").endswith("/v1")):
+                raise ValueError(f"deployment.{field}: {url!r} is not a server's root URL; give "
+                                 "'http(s)://host:port' without '/v1'")
         if self.weight_sync not in allowed:
             raise ValueError(f"deployment.weight_sync={self.weight_sync!r} is not available with kind={self.kind!r}; "
                              f"use one of {allowed}")
         return self
+
+    def _check_replicas(self) -> None:
+        if self.kind not in ("vllm", "sglang"):
+            raise ValueError(f"deployment.replica_urls and router_url are for kind 'vllm' or 'sglang', not "
+                             f"{self.kind!r}")
+        if not self.replica_urls:
+            raise ValueError("deployment.router_url needs deployment.replica_urls: the servers behind the router, "
+                             "which weight syncs reach one by one" if self.router_url is not None else
+                             "deployment.replica_urls is empty; list the servers' root URLs")
+        if self.base_url is not None:
+            raise ValueError("deployment.base_url and deployment.replica_urls are both set; list every server in "
+                             "replica_urls (and the router, if any, in router_url)")
+        roots = [u.rstrip("/") for u in self.replica_urls]
+        if len(set(roots)) != len(roots):
+            raise ValueError(f"deployment.replica_urls lists a server twice: {self.replica_urls}")
+        if self.router_url is not None and self.router_url.rstrip("/") in roots:
+            raise ValueError(f"deployment.router_url={self.router_url!r} is also one of replica_urls")
 
 
 DeployConfig = DeploymentConfig

@@ -38,6 +38,10 @@ class RecoverableDeploymentError(RecoverableRolloutError, ConnectionError):
     """The deployment could not be reached or answered 5xx after the retry budget."""
 
 
+class NoReplicaLeftError(DeploymentError):
+    """Every replica of a deployment of several servers was taken out of rotation (the message names each and why)."""
+
+
 class ModelLoadError(TrainingError, RuntimeError):
     """A model or tokenizer could not be loaded (missing package, bad path)."""
 

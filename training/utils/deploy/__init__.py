@@ -1,8 +1,9 @@
 """Deployments rollouts sample from (docs/deployments.md): engine, HTTP server, client, weight sync.
 
 `start_deployment` is the one place that picks the kind: the embedded engine (a copy of the
-policy, `embedded.py`) or an external vLLM / SGLang / OpenAI-compatible server (`external.py`,
-docs/deployments.md). Both return a `DeploymentHandle`: `sampler`, `weight_sync`, `base_url`,
+policy, `embedded.py`), an external vLLM / SGLang / OpenAI-compatible server (`external.py`,
+docs/deployments.md), or several vLLM / SGLang replicas, optionally behind a router (`replica_deployment.py`).
+Each returns a `DeploymentHandle`: `sampler`, `weight_sync`, `base_url`,
 `model_name`, `version`, `context_tokens`, `engine_stats()` and `close()`.
 """
 
@@ -17,6 +18,7 @@ from training.utils.deploy.completion import Completion
 from training.utils.deploy.embedded import EmbeddedDeployment, engine_dtype, start_embedded_deployment
 from training.utils.deploy.engine import Engine
 from training.utils.deploy.external import ExternalDeployment, connect_external_deployment
+from training.utils.deploy.replica_deployment import ReplicatedDeployment, connect_replicated_deployment
 from training.utils.deploy.sampler import Sampler
 from training.utils.deploy.weight_sync import DiskWeightSync
 from training.utils.errors import ConfigError
@@ -29,6 +31,7 @@ __all__ = [
     "DiskWeightSync",
     "Engine",
     "ExternalDeployment",
+    "ReplicatedDeployment",
     "Sampler",
     "engine_dtype",
     "engine_runs_over_casts",
@@ -37,7 +40,7 @@ __all__ = [
     "start_embedded_deployment",
 ]
 
-Deployment = EmbeddedDeployment | ExternalDeployment
+Deployment = EmbeddedDeployment | ExternalDeployment | ReplicatedDeployment
 """What `start_deployment` returns; both kinds are `DeploymentHandle`s (`handle.py`)."""
 
 
@@ -62,7 +65,8 @@ async def start_deployment(
             engine_model.to(engine_dtype(cfg, engine_model.device)), tokenizer, cfg, model_name=model_name,
             sampling_timeout_s=sampling_timeout_s,
         )
-    return await connect_external_deployment(
+    connect = connect_replicated_deployment if cfg.replica_urls else connect_external_deployment
+    return await connect(
         cfg, tokenizer, model_name, model_config=policy_model.config, sampling_timeout_s=sampling_timeout_s,
         lora=is_lora(policy_model),
     )

@@ -1,6 +1,6 @@
 """What every deployment hands the recipes, embedded or external: `base_url`, `api_key`, `model_name`,
-`sampler`, `weight_sync`, `version`, `context_tokens`, `syncs_at_start`, `engine_stats()`, `memory_stats()` and
-`close()`, and the temporary weight directory it may own."""
+`sampler`, `weight_sync`, `version`, `context_tokens`, `syncs_at_start`, `engine_stats()`, `memory_stats()`,
+`step_metrics()`, `run_summary()` and `close()`, and the temporary weight directory it may own."""
 
 from __future__ import annotations
 
@@ -45,6 +45,16 @@ class DeploymentHandle:
         """Bytes the embedded engine holds (`Engine.memory_stats`: `weights`, `kv_cache_reserved` and
         `kv_cache_used` at their most since the previous call, `prefix_cache`); {} where the deployment reports
         none (an external server's memory is its own)."""
+        return {}
+
+    async def step_metrics(self) -> dict[str, float]:
+        """Metrics of the deployment itself at the end of a step (several replicas: `deploy/replica/<name>/*`); {}
+        where it reports none."""
+        return {}
+
+    def run_summary(self) -> dict:
+        """What the run's summary says of the deployment (several replicas: which were taken out, for how long and
+        why); {} where there is nothing to say."""
         return {}
 
     async def close(self, timeout: float = 30.0) -> None:

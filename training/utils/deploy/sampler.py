@@ -36,6 +36,9 @@ from training.utils.errors import DeploymentError, RecoverableDeploymentError
 logger = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({429})
+AFFINITY_HEADER = "X-Session-ID"
+"""Carries `sample(user=...)`, the trajectory's affinity key, besides the body's `user`: what a router keeps one
+trajectory on one replica by."""
 # Seconds added to a request's own timeout for the HTTP round trip: the server times out first
 # and says so, the client only when the server is unreachable or stalled.
 _TRANSPORT_SLACK_S = 10.0
@@ -128,8 +131,9 @@ class Sampler:
     ) -> list[Completion]:
         """Sample `n` completions of `prompt_ids` (a text prompt needs `tokenizer`).
 
-        `user` is an affinity key forwarded to the deployment so one trajectory's requests stay on one
-        replica (prefix-cache reuse); each `Completion.prompt_ids` is the prompt the server echoed.
+        `user` is an affinity key forwarded to the deployment (the body's `user` and the `X-Session-ID` header) so
+        one trajectory's requests stay on one replica (prefix-cache reuse); each `Completion.prompt_ids` is the
+        prompt the server echoed.
         """
         if isinstance(prompt_ids, str):
             if self.tokenizer is None:
@@ -149,13 +153,16 @@ class Sampler:
             "timeout": timeout,
         }
         body = self.protocol.request_body(self.model_name, prompt_ids, n, sampling)
-        data = await self._post_with_retries(self.protocol.path, body, timeout + _TRANSPORT_SLACK_S)
+        # A router in front of several replicas hashes this header (vllm-router's consistent_hash reads it first).
+        headers = {AFFINITY_HEADER: user} if user else None
+        data = await self._post_with_retries(self.protocol.path, body, timeout + _TRANSPORT_SLACK_S, headers)
         completions = self.protocol.parse(data, prompt_ids)
         if len(completions) != n:
             raise DeploymentError(f"asked for n={n} completions, the server returned {len(completions)}")
         return completions
 
-    async def _post_with_retries(self, path: str, body: dict, attempt_timeout: float) -> dict | list:
+    async def _post_with_retries(self, path: str, body: dict, attempt_timeout: float,
+                                 headers: dict[str, str] | None = None) -> dict | list:
         url = self.base_url + path
         where = f"POST {path}"  # what the errors name: never `url` (see the module docstring)
         last = "no attempt made"
@@ -168,7 +175,7 @@ class Sampler:
             closings, open_when_sent = self.gate.closings, self.gate.is_open
             try:
                 async with self._get_session().post(
-                    url, json=body, timeout=aiohttp.ClientTimeout(total=attempt_timeout)
+                    url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=attempt_timeout)
                 ) as resp:
                     text = await resp.text()
                     status = resp.status

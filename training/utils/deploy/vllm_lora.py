@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -65,9 +66,8 @@ def write_adapter_dir(adapter: AdapterState, final: Path) -> Path:
 
 def point_link(link: Path, target: Path) -> None:
     """Make `link` a symlink to `target` (a sibling directory) in one atomic rename."""
-    tmp = link.with_name(link.name + ".new")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
+    # A name of its own per call: replicas sharing the directory point the link at once.
+    tmp = link.with_name(f"{link.name}.new.{os.getpid()}.{secrets.token_hex(4)}")
     tmp.symlink_to(target.name)
     os.replace(tmp, link)
 

@@ -247,8 +247,21 @@ class ExternalWeightSync(WeightSync):
         metrics = {"weight_sync_bytes": float(_state_bytes(state_dict))}
         path = None
         if self.transport == "disk":
-            path = await self._steps.write(state_dict, version, self.model_config)
+            path = await self.write(state_dict, version)
             metrics["weight_sync_write_time"] = time.perf_counter() - start
+        await self.push(path, state_dict, version)
+        if path is not None:
+            await self.loaded(path)
+        return metrics | {"weight_sync_time": time.perf_counter() - start}
+
+    async def write(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
+        """Write what a `disk` sync loads for `version` (`step_<version>/` under the directory); returns its path."""
+        return await self._steps.write(state_dict, version, self.model_config)
+
+    async def push(self, path: Path | None, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load `version` into the server, from the directory `path` (`disk`, written by `write`) or by broadcasting
+        `state_dict` (`nccl`), and check that the server reports it; `version` advances only then. Several
+        replicas share one written directory: each is pushed the same `path`."""
         await self.init()
         async with self._admin() as admin:
             self.serving_gate.close()
@@ -269,9 +282,19 @@ class ExternalWeightSync(WeightSync):
                 f"after the weight update {self.base_url} reports weight_version {served!r}, expected '{version}'"
             )
         self.version = version
-        if path is not None:
-            await self._steps.loaded(path)
-        return metrics | {"weight_sync_time": time.perf_counter() - start}
+
+    async def loaded(self, path: Path) -> None:
+        """Record that every server this sync feeds serves `path`; older weight directories are deleted."""
+        await self._steps.loaded(path)
+
+    def forget_transport(self) -> None:
+        """Set the transport up again before the next push: the server may have been restarted."""
+        self._ready = False
+
+    async def served_version(self) -> str | None:
+        """The weight version the server reports now (its label, as a string)."""
+        async with self._admin() as admin:
+            return await self._served_version(admin)
 
     async def _broadcast_while(self, call, tensors: list[torch.Tensor]) -> None:
         """Run the server-side HTTP call and the trainer's blocking broadcast together."""

@@ -163,6 +163,7 @@ class TrainingRun:
         self.resume_state = resume_state
         self.samples_trained += int(metrics.get("batch/samples", 0))
         metrics |= self.engine_counters.step_metrics(self.deployment)
+        metrics |= await self.deployment.step_metrics()
         metrics |= self.memory.step_metrics(self.policy, self.reference, self.deployment)
         metrics |= self.utilisation.step_metrics(metrics, self.policy, self.reference, self.deployment)
         if self.cfg.eval_interval and step % self.cfg.eval_interval == 0:
@@ -236,6 +237,7 @@ class TrainingRun:
             "plots": [str(p) for p in plots],
             "checkpoint": str(newest) if newest else None,
             "output_dir": self.cfg.output_dir,
+            **self.deployment.run_summary(),
         }
 
 
