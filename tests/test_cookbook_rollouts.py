@@ -1,6 +1,7 @@
 """`rollout.py`/`train.py` pairs written with the Fireworks cookbook's names and calls run here as written, on the tiny
 random model: each test writes its own pair (the cookbook's code is not copied) and runs `python train.py`."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -10,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from training.utils.deploy.completion import Completion
+from training.utils.deploy.sampled_completion import SampledCompletion, sample_arguments
 from training.utils.logging import read_ledger
 from training.utils.rl.health import RunHealth
+from training.utils.rl.rollout.invoke import run_draw
+from training.utils.rl.rollout.types import make_prompt_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -236,3 +241,27 @@ def test_the_run_health_flag_says_how_many_groups_the_filter_took(caplog):
     assert "7 of 8 groups filtered by dynamic_filter_fn" in caplog.text
     assert RunHealth().check(1, {"rollout/groups_accepted": 4.0, "rollout/groups_rejected": 4.0,
                                  "rollout/groups_filtered": 4.0}) == []
+
+
+def test_a_rollout_reading_the_wrong_contract_gets_its_row_its_draw_and_the_name_to_use():
+    async def rollout_fn(row):
+        completion = Completion([5], [-0.1], "stop", [0], prompt_ids=[1, 2])  # what sampler.sample() returns
+        return completion.full_tokens
+
+    with pytest.raises(AttributeError, match=r"'full_tokens'; .*sample_with_prompt_tokens") as raised:
+        asyncio.run(run_draw(rollout_fn, {}, {}, (), row_id="r7", draw_index=3, vocab_size=None, timeout_s=5))
+    assert raised.value.__notes__ == ["raised by rollout_fn on row 'r7' draw 3"]
+    with pytest.raises(AttributeError, match="advantages are computed where the group trains"):
+        getattr(make_prompt_group("r7", []), "advantages")  # noqa: B009
+
+
+def test_the_cookbooks_sampler_arguments_are_mapped_or_refused_by_name():
+    assert sample_arguments({"max_tokens": 8, "http_timeout": 30, "logprobs": True, "echo": False,
+                             "include_routing_matrix": True, "max_seq_len": 4096}) == {"max_tokens": 8, "timeout": 30}
+    with pytest.raises(TypeError, match="unknown keyword argument 'best_of'"):
+        sample_arguments({"best_of": 2})
+    with pytest.raises(TypeError, match="text-only"):
+        sample_arguments({"images": ["data:image/png;base64,AAAA"]})
+    sampled = SampledCompletion(Completion([7, 8], [-0.5, -0.25], "length", [3, 3], text="hi"), [1, 2, 3])
+    assert (sampled.full_tokens, sampled.prompt_len, sampled.inference_logprobs, sampled.logprobs_echoed) == (
+        [1, 2, 3, 7, 8], 3, [-0.5, -0.25], False)

@@ -146,10 +146,25 @@ class PromptGroup:
         """`row`: the dataset row."""
         return self.row
 
+    def __getattr__(self, name: str):
+        # Only for names the fields lack: the cookbook's trainer-side group fields have no equal on a group here.
+        hint = _GROUP_HINTS.get(name)
+        raise AttributeError(f"'PromptGroup' object has no attribute {name!r}" + (f"; {hint}" if hint else ""))
+
     @property
     def datum_tokens(self) -> int:
         """Tokens of the datums its runs pack into (each segment shifted by one)."""
         return sum(len(segment.tokens) - 1 for run in self.runs_G for segment in run.segments)
+
+
+_GROUP_HINTS = {
+    "advantages": "advantages are computed where the group trains, from its rewards as shaped there (KL in the "
+                  "reward, overlong penalty); a filter judges `rewards`",
+    **{name: "the trainer packs datums where the group trains; a filter reads `rewards`, `runs_G`, `completion_lens`, "
+             "`truncated`" for name in ("data", "ref_data", "ref_logprobs", "inf_logprobs", "raw_inf_logprobs")},
+    "prompt_len": "`prompt_lens` (one per segment)",
+    "completions": "`runs_G` (each run's segments carry `text` and `tokens`)",
+}
 
 
 RolloutFn = Callable[..., Awaitable["RolloutSample | RolloutRun | None"]]
