@@ -13,10 +13,11 @@ import pytest
 
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.sampled_completion import SampledCompletion, sample_arguments
+from training.utils.errors import RolloutContractError
 from training.utils.logging import read_ledger
 from training.utils.rl.health import RunHealth
 from training.utils.rl.rollout.invoke import run_draw
-from training.utils.rl.rollout.types import make_prompt_group
+from training.utils.rl.rollout.types import RolloutSample, make_prompt_group, validate_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -265,3 +266,15 @@ def test_the_cookbooks_sampler_arguments_are_mapped_or_refused_by_name():
     sampled = SampledCompletion(Completion([7, 8], [-0.5, -0.25], "length", [3, 3], text="hi"), [1, 2, 3])
     assert (sampled.full_tokens, sampled.prompt_len, sampled.inference_logprobs, sampled.logprobs_echoed) == (
         [1, 2, 3, 7, 8], 3, [-0.5, -0.25], False)
+
+
+def test_routing_matrices_and_a_multimodal_prompt_are_accepted_empty_and_refused_with_a_value():
+    def sample(**extra):
+        return RolloutSample(tokens=[1, 2, 3], logprobs=[0.0, -0.5, -0.5], loss_mask=[0, 1, 1], reward=1.0, **extra)
+
+    assert validate_run(sample(routing_matrices=[], prompt_model_input=None), row_id="r1", draw_index=0,
+                        vocab_size=10).segments[0].routing_matrices == []
+    with pytest.raises(RolloutContractError, match="row 'r1' draw 2 segment 0: routing_matrices holds 1 entries"):
+        validate_run(sample(routing_matrices=["AAAA"]), row_id="r1", draw_index=2, vocab_size=10)
+    with pytest.raises(RolloutContractError, match="row 'r1' draw 1 segment 0: prompt_model_input is set"):
+        validate_run(sample(prompt_model_input={"chunks": []}), row_id="r1", draw_index=1, vocab_size=10)
