@@ -161,7 +161,7 @@ def test_nan_from_a_poisoned_batch_is_skipped_and_counted(tmp_path, overflowing_
 
 def test_a_run_whose_draws_all_return_none_stops_at_once_with_its_own_wording(tmp_path):
     start = time.monotonic()
-    with pytest.raises(CircuitBreakerError, match="every draw returned None"):
+    with pytest.raises(CircuitBreakerError, match="rollout draws all returned None"):
         async_rl_loop.main(cfg(tmp_path, max_steps=10, max_incomplete_group_retries=0),
                            rollout_fn_factory=faulty_factory(lambda *a: "none"), rows=ROWS)
     assert time.monotonic() - start < 60  # not stall_timeout_s (3600 s)

@@ -400,22 +400,24 @@ def test_circuit_breaker_trips_on_consecutive_failures_and_rate():
         rate.record_failure(err, "recoverable")
 
 
-def test_none_returns_feed_the_breaker_with_their_own_wording():
-    nones = CircuitBreaker(max_consecutive=3, max_rate=0.9, window=10, min_observations=6)
-    nones.record_failure(None, "returned_none")
-    nones.record_failure(None, "returned_none")
-    with pytest.raises(CircuitBreakerError, match="3 consecutive rollout draws were dropped: every draw returned None"):
+def test_none_returns_trip_the_breaker_only_when_a_whole_window_returned_none():
+    """A None return drops a draw on purpose (the cookbook's contract: it never feeds its breaker); a rollout that
+    drops every draw still stops the run once a window of draws all returned None."""
+    nones = CircuitBreaker(max_consecutive=3, max_rate=0.5, window=6, min_observations=3)
+    for _ in range(5):
         nones.record_failure(None, "returned_none")
+    with pytest.raises(CircuitBreakerError, match="the last 6 rollout draws all returned None"):
+        nones.record_failure(None, "returned_none")
+    # Nones between errors count toward neither threshold: three errors in a row still trip it.
     mixed = CircuitBreaker(max_consecutive=3, max_rate=0.9, window=10, min_observations=6)
-    mixed.record_failure(None, "returned_none")
-    mixed.record_failure(None, "returned_none")
-    with pytest.raises(CircuitBreakerError, match="the last failure was timeout"):
+    for reason in ("returned_none", "returned_none", "timeout", "returned_none", "timeout"):
+        mixed.record_failure(TimeoutError() if reason == "timeout" else None, reason)
+    with pytest.raises(CircuitBreakerError, match="3 consecutive rollout draws were dropped; the last failure was t"):
         mixed.record_failure(TimeoutError(), "timeout")
-    # A rollout that drops some draws on purpose stays below the rate.
-    some = CircuitBreaker(max_consecutive=3, max_rate=0.75, window=8, min_observations=4)
-    for _ in range(10):
-        some.record_success()
-        some.record_failure(None, "returned_none")
+    # A rollout that drops most draws on purpose (85% here) keeps running while some draws succeed.
+    most = CircuitBreaker(max_consecutive=3, max_rate=0.75, window=8, min_observations=4)
+    for i in range(60):
+        most.record_success() if i % 7 == 0 else most.record_failure(None, "returned_none")
 
 
 def cancel_as_event_arrives(start) -> bool:

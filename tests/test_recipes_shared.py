@@ -82,7 +82,7 @@ def test_the_same_main_call_reaches_every_argument_in_both_recipes(tmp_path, rec
     assert judged[0] not in trained and sorted(judged[1:]) == sorted(trained) and len(trained) >= 3, (trained, judged)
     params = inspect.signature(recipe.main).parameters
     assert list(params) == ["cfg", "rollout_fn_factory", "rows", "dynamic_filter_fn", "evaluation_fn",
-                            "rollout_extras"]
+                            "evaluation_interval", "rollout_extras"]
     assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "cfg")
 
 

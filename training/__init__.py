@@ -31,6 +31,10 @@ PUBLIC_NAMES: dict[str, str] = {
     "PromptGroup": "training.utils.rl.rollout.types",
     "sample_from_completion": "training.utils.rl.rollout.types",
     "ChatAssembler": "training.utils.rl.rollout.messages",
+    # the cookbook's rollout helpers (docs/coming-from-the-cookbook.md)
+    "build_deployment_sampler": "training.utils.rl.rollout.cookbook_renderer",
+    "build_renderer": "training.utils.rl.rollout.cookbook_renderer",
+    "get_text_content": "training.utils.rl.rollout.cookbook_renderer",
     # errors a rollout raises or a user catches
     "RecoverableRolloutError": "training.utils.errors",
     "ConfigError": "training.utils.errors",
@@ -103,6 +107,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; `X as X` marks a re-export
         LossInputs as LossInputs,
         TokenLoss as TokenLoss,
         register_policy_loss as register_policy_loss,
+    )
+    from training.utils.rl.rollout.cookbook_renderer import (
+        build_deployment_sampler as build_deployment_sampler,
+        build_renderer as build_renderer,
+        get_text_content as get_text_content,
     )
     from training.utils.rl.rollout.messages import ChatAssembler as ChatAssembler
     from training.utils.rl.rollout.types import (

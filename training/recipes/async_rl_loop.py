@@ -43,6 +43,11 @@ from training.utils.config import RLConfig, TISConfig
 from training.utils.deploy import Deployment
 from training.utils.rl.async_rl import BatchCoordinator, CircuitBreaker, OffPolicyGate, RolloutProducer
 from training.utils.rl.groups import SettledRow, group_of, rollout_metrics
+from training.utils.rl.rollout.types import (
+    RolloutFn as RolloutFn,  # the cookbook imports these from the recipe
+    RolloutFnFactory as RolloutFnFactory,
+    RolloutSetup as RolloutSetup,
+)
 from training.utils.rl.telemetry import perf_metrics, version_offset_metrics
 from training.utils.rl.train_step import BatchUpdate
 from training.utils.rl.training_run import TrainingRun, recipe_main

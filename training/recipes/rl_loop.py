@@ -27,6 +27,7 @@ only: they make each trainer call rank 0 announces (`TrainerWorker.follow`).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 from typing import Any
@@ -38,6 +39,7 @@ from training.utils.deploy import Deployment
 from training.utils.errors import CircuitBreakerError
 from training.utils.rl.dataset import RowItem
 from training.utils.rl.groups import ACCEPTED, SettledRow, group_of, rollout_metrics, settle_attempt
+from training.utils.rl.rollout.cookbook_renderer import message_rollout_factory
 from training.utils.rl.rollout.invoke import DrawFn, gather_or_cancel
 from training.utils.rl.rollout.types import PromptGroup
 from training.utils.rl.telemetry import perf_metrics
@@ -89,7 +91,33 @@ async def train_loop(run: TrainingRun, *, dynamic_filter_fn=None) -> None:
         await run.end_step(step, metrics, {"weights_version": run.deployment.version, "cursor": source.state_dict()})
 
 
-main = recipe_main(train_loop, Config)
+# ---- the recipe's own rollout, when main() gets no rollout_fn_factory (the cookbook's rl_loop) --------------------
+
+
+def reward_fn(completion: str, row: dict) -> float:
+    """1.0 when the number in the completion's `<answer>...</answer>` equals the one in `row["ground_truth"]`.
+    Replace it for your task (`rl_loop.reward_fn = my_reward`) before `main(cfg, rows=...)`."""
+    predicted, truth = _answer_number(completion), _answer_number(str(row.get("ground_truth", "")))
+    return float(predicted is not None and predicted == truth)
+
+
+def should_accept(group: PromptGroup) -> bool:
+    """Keep groups whose rewards differ: a group of equal rewards has zero advantages and teaches nothing."""
+    return len(set(group.rewards_G)) > 1
+
+
+def _answer_number(text: str) -> str | None:
+    found = re.search(r"<answer>(.*?)</answer>", text, re.IGNORECASE | re.DOTALL)
+    number = re.search(r"-?\d+", found.group(1)) if found else None
+    return number.group(0) if number else None
+
+
+def _own_rollout():
+    # Looked up at call time, so `rl_loop.reward_fn = ...` before main() takes effect.
+    return message_rollout_factory(lambda completion, row: reward_fn(completion, row)), should_accept
+
+
+main = recipe_main(train_loop, Config, default_rollout=_own_rollout)
 
 
 def step_metrics(groups: list[PromptGroup], deployment: Deployment, *, step_time: float, train_time: float,

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from training.utils import cookbook_config
 from training.utils.config_base import FiniteFloat, StrictModel
 from training.utils.deployment_config import AgentShimConfig, DeployConfig, DeploymentConfig, SamplingConfig
 from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS
@@ -57,6 +58,11 @@ class TISConfig(StrictModel):
     """Seq-mask TIS: drop whole sequences whose geometric-mean ratio is below this."""
     seq_mask_high: FiniteFloat | None = Field(None, gt=0)
     """Seq-mask TIS: drop whole sequences whose geometric-mean ratio is above this."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cookbook_names(cls, data):
+        return cookbook_config.resolve_tis(data)  # the cookbook's icepop_threshold is icepop_beta
 
     @model_validator(mode="after")
     def _seq_mask_bounds_ordered(self) -> TISConfig:
@@ -266,6 +272,12 @@ class RLConfig(StrictModel):
     """W&B project; online when an API key is configured, offline files in the run directory otherwise."""
     progress: bool = True
     """Print a progress line per step to the console."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cookbook_names(cls, data):
+        # The cookbook's names resolve into our one field each; names of other libraries are refused with ours.
+        return cookbook_config.resolve_rl_config(data, cls.model_fields)
 
     @field_validator("policy_loss")
     @classmethod

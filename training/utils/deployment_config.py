@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
+from training.utils import cookbook_config
 from training.utils.config_base import FiniteFloat, StrictModel
 
 
@@ -128,6 +129,19 @@ class DeploymentConfig(StrictModel):
     """Port the trainer opens for the `nccl` rendezvous; 0 picks a free one."""
     connect_timeout_s: FiniteFloat = Field(60.0, gt=0)
     """How long start-up waits for an external server's health check (it may still be loading its model)."""
+
+    _elsewhere: dict[str, Any] = PrivateAttr(default_factory=dict)
+    """The cookbook's `DeployConfig` names given here that live in another part of the config (`sample_timeout`:
+    `sampling.timeout_s`); the recipe's Config moves them there (`cookbook_config.py`)."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cookbook_names(cls, data, handler):
+        data, elsewhere = cookbook_config.resolve_deployment(data)
+        config = handler(data)
+        if elsewhere:
+            config._elsewhere = elsewhere
+        return config
 
     @model_validator(mode="before")
     @classmethod

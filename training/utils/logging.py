@@ -140,6 +140,10 @@ def progress_line(step: int, total_steps: int | None, metrics: dict[str, Any]) -
     ):
         if is_finite_number(metrics.get(key)):
             parts.append(f"{label} {fmt.format(metrics[key])}")
+    filtered = metrics.get("rollout/groups_filtered")
+    if is_finite_number(filtered) and filtered > 0:  # rows the filter rejected cost rollouts and trained nothing
+        settled = metrics.get("rollout/groups_accepted", 0.0) + metrics.get("rollout/groups_rejected", 0.0)
+        parts.append(f"filtered {filtered:.0f}/{settled:.0f} groups")
     return " ".join(parts)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from training.utils import cookbook_config
 from training.utils.config_base import FiniteFloat, StrictModel
 
 AdamBeta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
@@ -106,3 +107,9 @@ class TrainerConfig(StrictModel):
     whose deployment holds a copy of its own anyway (an external server, `lora_weights="merged"`, an engine serving
     another dtype), where the casts would only cost memory (benchmarks/RESULTS.md, "Frozen weights cast once");
     `on`: on any device; `off`: cast per use. Not under torchrun (FSDP2 gathers the weights per use)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cookbook_names(cls, data):
+        # The cookbook's TrainerConfig provisions a hosted job: its fields are warned and dropped here.
+        return cookbook_config.resolve_trainer(data)

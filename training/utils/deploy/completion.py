@@ -27,6 +27,19 @@ class Completion:
     """Decoded output without special tokens, cut before the first stop string when one stopped it."""
     prompt_ids: list[int] = field(default_factory=list)
 
+    def __getattr__(self, name: str):
+        # Only for names the fields lack: a rollout written for the cookbook reads its sampler's result names.
+        hint = _COOKBOOK_NAMES.get(name)
+        raise AttributeError(f"'Completion' object has no attribute {name!r}" + (f"; {hint}" if hint else ""))
+
+
+_COOKBOOK_NAMES = {
+    name: "that is the cookbook's name on what `sampler.sample_with_prompt_tokens(...)` returns; `sampler.sample(...)` "
+          "returns Completion(output_ids, logprobs, finish_reason, versions, text, prompt_ids)"
+    for name in ("full_tokens", "prompt_len", "sampling_logprobs", "inference_logprobs", "logprobs_echoed",
+                 "routing_matrices")
+}
+
 
 class InvalidRequestError(TrainingError, ValueError):
     """A generation request is malformed; `param` names the offending field (HTTP 400)."""

@@ -31,6 +31,7 @@ import aiohttp
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.http_client import auth_headers, error_message, json_or_none
 from training.utils.deploy.protocols import EmbeddedProtocol, Protocol
+from training.utils.deploy.sampled_completion import SampledCompletion, sample_arguments
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,22 @@ class Sampler:
         if len(completions) != n:
             raise DeploymentError(f"asked for n={n} completions, the server returned {len(completions)}")
         return completions
+
+    async def sample_with_prompt_tokens(self, prompt_token_ids: Sequence[int], n: int = 1,
+                                        **kwargs) -> list[SampledCompletion]:
+        """The cookbook's call: `sample` under its keyword arguments (`sampled_completion.sample_arguments`),
+        each result also readable as `full_tokens`, `prompt_len`, `sampling_logprobs`, ..."""
+        prompt_ids = [int(t) for t in prompt_token_ids]
+        completions = await self.sample(prompt_ids, n, **sample_arguments(kwargs))
+        return [SampledCompletion(c, prompt_ids) for c in completions]
+
+    async def _do_one_completion(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float,
+                                 max_seq_len: int | None = None, user_requested_logprobs: bool = True,
+                                 routing_requested: bool = False, echo_mode: bool = False,
+                                 **kwargs) -> list[SampledCompletion]:
+        """The cookbook SDK's one-completion call, positional arguments as published examples pass them (blackjack)."""
+        return await self.sample_with_prompt_tokens(prompt_ids, 1, max_tokens=max_tokens, temperature=temperature,
+                                                    **kwargs)
 
     async def _post_with_retries(self, path: str, body: dict, attempt_timeout: float,
                                  headers: dict[str, str] | None = None) -> dict | list:

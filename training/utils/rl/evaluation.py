@@ -1,14 +1,16 @@
-"""A ready-made `evaluation_fn`: the user's own rollout on held-out rows, mean reward reported."""
+"""A ready-made `evaluation_fn`: the user's own rollout on held-out rows, mean reward reported; and how an
+`evaluation_fn` is called, in our form `(setup, step)` or the cookbook's `(step, rollout_fn)`."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from training.utils.rl.dataset import RowItem, row_id_of
-from training.utils.rl.rollout.invoke import bind_draws, gather_or_cancel
+from training.utils.rl.rollout.invoke import bind_draws, context_params, gather_or_cancel
 from training.utils.rl.rollout.types import RolloutSetup
 
 
@@ -41,3 +43,35 @@ def rollout_evaluation(
                 "dropped": float(len(results) - len(rewards))}
 
     return evaluation_fn
+
+
+def takes_rollout_fn(evaluation_fn: Callable) -> bool:
+    """Whether `evaluation_fn` is the cookbook's `(step, rollout_fn)` rather than our `(setup, step)`: told by its
+    parameters, a first one named `step` (or annotated `int`) or a second one whose name holds `rollout`."""
+    try:
+        params = list(inspect.signature(evaluation_fn).parameters.values())[:2]
+    except (TypeError, ValueError):
+        return False
+    if not params:
+        return False
+    first_is_step = params[0].name in ("step", "global_step") or params[0].annotation in (int, "int")
+    return first_is_step or (len(params) > 1 and "rollout" in params[1].name)
+
+
+def evaluation_rollout(rollout_fn: Callable) -> Callable:
+    """`rollout_fn` as the cookbook hands it to `evaluation_fn(step, rollout_fn)`: called with a row (and any
+    context), it passes only the context keys the function declares, with `evaluation=True`."""
+    declared = context_params(rollout_fn)
+
+    async def evaluation_rollout_fn(row: dict[str, Any], **context: Any) -> Any:
+        context = {**context, "evaluation": True}
+        return await rollout_fn(row, **{k: v for k, v in context.items() if k in declared})
+
+    return evaluation_rollout_fn
+
+
+def call_evaluation(evaluation_fn: Callable, setup: RolloutSetup, rollout_fn: Callable | None, step: int) -> Any:
+    """`evaluation_fn(setup, step)`, or the cookbook's `evaluation_fn(step, rollout_fn)` (`takes_rollout_fn`)."""
+    if takes_rollout_fn(evaluation_fn) and rollout_fn is not None:
+        return evaluation_fn(step, evaluation_rollout(rollout_fn))
+    return evaluation_fn(setup, step)

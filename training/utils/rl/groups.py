@@ -27,6 +27,8 @@ from training.utils.rl.telemetry import inference_drift_metrics
 INCOMPLETE = "incomplete"
 """Why a row is rejected when too few of its draws survived every attempt."""
 ACCEPTED = "accepted"
+FILTERED = "filtered"
+"""Why a row is rejected when `dynamic_filter_fn` returned False for its group."""
 
 
 @dataclass
@@ -67,7 +69,7 @@ def group_of(settled: SettledRow, estimator: str,
         return None, f"dropped_{reason}"
     group = make_prompt_group(settled.row_id, settled.runs_G, row=settled.row, submit_version=settled.submit_version)
     if dynamic_filter_fn is not None and not dynamic_filter_fn(group):
-        return None, "filtered"
+        return None, FILTERED
     return group, ACCEPTED
 
 
@@ -99,6 +101,7 @@ def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], coun
         metrics[f"rollout/drop_{reason}"] = float(n)
     metrics["rollout/groups_accepted"] = float(counts[ACCEPTED])
     metrics["rollout/groups_rejected"] = float(sum(v for k, v in counts.items() if k != ACCEPTED))
+    metrics["rollout/groups_filtered"] = float(counts[FILTERED])
     metrics["rollout/retries"] = float(sum(s.attempts - 1 for s in settled_P))
     return metrics | inference_drift_metrics(runs) | shim_metrics(runs)
 

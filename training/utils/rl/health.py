@@ -48,6 +48,9 @@ class RunHealth:
                         "or make rollouts faster",
         "nonfinite_steps": "optimizer steps were skipped for a non-finite gradient: lower trainer.learning_rate "
                            "and check the scale of rewards",
+        "groups_filtered": "dynamic_filter_fn rejected most groups, so steps wait for rows and train few: make the "
+                           "task fit the policy (rewards that differ within a group), raise completions_per_prompt, "
+                           "or loosen the filter",
         "ref_kl_runaway": "the policy is running away from the reference (train/ref_kl above ref_kl_limit nats per "
                           "token): lower trainer.learning_rate, raise kl_beta, use kl_estimator='k3' (k1 in the loss "
                           "has no expected gradient toward π_ref), or set kl_target so that β adapts",
@@ -79,6 +82,8 @@ class RunHealth:
         # "fresh"); rl_loop logs neither and is on-policy.
         offset = m.get("async/token_version_offset_mean", m.get("async/version_offset_mean", 0.0))
         fresh = offset == 0
+        filtered = m.get("rollout/groups_filtered", 0.0)
+        settled = m.get("rollout/groups_accepted", 0.0) + m.get("rollout/groups_rejected", 0.0)
         conditions = {
             "entropy_collapse": "train/entropy" in m and self._first_entropy is not None
             and m["train/entropy"] < 0.1 * self._first_entropy,
@@ -95,6 +100,7 @@ class RunHealth:
             "trainer_idle": m.get("perf/trainer_idle_frac", 0.0) > 0.5,
             "nonfinite_steps": m.get("train/skipped_steps_total", self._skipped) > self._skipped,
             "ref_kl_runaway": m.get("train/ref_kl", 0.0) > self.ref_kl_limit,
+            "groups_filtered": filtered > 0.5 * settled,
         }
         self._skipped = m.get("train/skipped_steps_total", self._skipped)
         # Trends need `patience` steps in a row; the rest are decisive at once.
@@ -109,7 +115,9 @@ class RunHealth:
             if name not in self.first_step:
                 self.first_step[name] = step
                 fired.append(name)
-                log.warning("run health, step %d: %s", step, self.LEVERS[name])
+                detail = f"{filtered:.0f} of {settled:.0f} groups filtered by dynamic_filter_fn; " \
+                    if name == "groups_filtered" else ""
+                log.warning("run health, step %d: %s%s", step, detail, self.LEVERS[name])
         return fired
 
     def summary(self) -> dict[str, Any]:

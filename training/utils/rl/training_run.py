@@ -50,6 +50,7 @@ from training.utils.errors import ConfigError, EvaluationTimeoutError, NothingTr
 from training.utils.logging import RunLogger
 from training.utils.loop_watchdog import LoopWatchdog
 from training.utils.rl.dataset import DurableRowSource
+from training.utils.rl.evaluation import call_evaluation
 from training.utils.rl.groups import SettledRow
 from training.utils.rl.health import RunHealth
 from training.utils.rl.memory_budget import fit_memory_budget
@@ -167,7 +168,7 @@ class TrainingRun:
         metrics |= self.memory.step_metrics(self.policy, self.reference, self.deployment)
         metrics |= self.utilisation.step_metrics(metrics, self.policy, self.reference, self.deployment)
         if self.cfg.eval_interval and step % self.cfg.eval_interval == 0:
-            metrics |= await evaluate(self.evaluation_fn, self.setup, step, None, self.cfg)
+            metrics |= await evaluate(self.evaluation_fn, self.setup, step, None, self.cfg, self.rollout_fn)
             self.evaluated_step = step
         self.metrics = metrics
         self.logger.log(step, metrics)
@@ -218,7 +219,8 @@ class TrainingRun:
         if self.deployment.version != self.step:
             await self.sync_weights(self.step)
         if self.step != self.evaluated_step:
-            self.metrics |= await evaluate(self.evaluation_fn, self.setup, self.step, self.logger, self.cfg)
+            self.metrics |= await evaluate(self.evaluation_fn, self.setup, self.step, self.logger, self.cfg,
+                                           self.rollout_fn)
         if self.cfg.output_dir:
             await self.worker.run(self.policy.save_hf, self.cfg.output_dir, self.tokenizer)
 
@@ -245,19 +247,29 @@ Loop = Callable[..., Awaitable[None]]
 """`async def loop(run: TrainingRun, *, dynamic_filter_fn) -> None`."""
 
 
-def recipe_main(loop: Loop, config_class: type[RLConfig]) -> Callable[..., dict[str, Any]]:
+DefaultRollout = Callable[[], tuple[Callable[[RolloutSetup], Callable], Callable[[PromptGroup], bool] | None]]
+"""A recipe's rollout when `main()` gets no `rollout_fn_factory`: the factory and its default filter."""
+
+
+def recipe_main(loop: Loop, config_class: type[RLConfig], *,
+                default_rollout: DefaultRollout | None = None) -> Callable[..., dict[str, Any]]:
     """The `main()` of a recipe whose loop is `loop`: one signature for every recipe."""
 
     def main(
         cfg: RLConfig,
         *,
-        rollout_fn_factory: Callable[[RolloutSetup], Callable],
+        rollout_fn_factory: Callable[[RolloutSetup], Callable] | None = None,
         rows: Iterable[dict[str, Any]] | None = None,
         dynamic_filter_fn: Callable[[PromptGroup], bool] | None = None,
         evaluation_fn: Callable | None = None,
+        evaluation_interval: int | None = None,
         rollout_extras: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Train, resuming from the newest checkpoint if there is one; returns a summary of the run.
+
+        `evaluation_fn(setup, step)` or the cookbook's `evaluation_fn(step, rollout_fn)`; `evaluation_interval` is
+        the cookbook's name for `cfg.eval_interval`. Without `rollout_fn_factory`, the recipe's own rollout runs
+        (rl_loop: each row's `messages`, scored by `rl_loop.reward_fn`); the async recipe needs one.
 
         The objects alive when it starts stay frozen out of Python's cyclic garbage collector afterwards
         (`gc.freeze`, training/utils/collector.py): a reference cycle among them that becomes garbage later is
@@ -265,6 +277,14 @@ def recipe_main(loop: Loop, config_class: type[RLConfig]) -> Callable[..., dict[
         if not isinstance(cfg, config_class):
             raise ConfigError(f"{loop.__module__}.main() needs a {loop.__module__}.Config, got "
                               f"{type(cfg).__module__}.{type(cfg).__name__}; build it from the recipe you import")
+        if rollout_fn_factory is None:
+            if default_rollout is None:
+                raise ConfigError(f"{loop.__module__}.main() needs rollout_fn_factory=make_rollout_fn (your "
+                                  "rollout.py's factory); only rl_loop has a rollout of its own")
+            rollout_fn_factory, default_filter = default_rollout()
+            dynamic_filter_fn = dynamic_filter_fn or default_filter
+        if evaluation_interval is not None:
+            cfg = with_evaluation_interval(cfg, evaluation_interval)
         rows = read_rows(cfg, rows)
         if cfg.output_dir:  # checked before training: a refused export would lose the run's weights
             check_replaceable(cfg.output_dir)
@@ -276,6 +296,16 @@ def recipe_main(loop: Loop, config_class: type[RLConfig]) -> Callable[..., dict[
 
     main.__module__, main.__qualname__ = loop.__module__, "main"
     return main
+
+
+def with_evaluation_interval(cfg: RLConfig, interval: int) -> RLConfig:
+    """`cfg` with `eval_interval` set from `main(..., evaluation_interval=)`, the cookbook's spelling of it."""
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ConfigError(f"evaluation_interval={interval!r} must be an int >= 1 (it is cfg.eval_interval)")
+    if "eval_interval" in cfg.model_fields_set and cfg.eval_interval != interval:
+        raise ConfigError(f"evaluation_interval={interval} and cfg.eval_interval={cfg.eval_interval} are one setting; "
+                          "give one of them")
+    return cfg.model_copy(update={"eval_interval": interval})
 
 
 def run_abandoning_stragglers(main: Coroutine[Any, Any, T], *, grace_s: float | None = None) -> T:
@@ -338,7 +368,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
                           deployment=deployment, logger=logger, setup=setup, rollout_fn=rollout_fn_factory(setup),
                           evaluation_fn=evaluation_fn, utilisation=Utilisation.for_run(policy, deployment_cfg),
                           step=start_step, evaluated_step=start_step, saved_step=start_step)
-        run.metrics = await evaluate(evaluation_fn, setup, start_step, logger, cfg)
+        run.metrics = await evaluate(evaluation_fn, setup, start_step, logger, cfg, run.rollout_fn)
         await loop(run, **loop_kwargs)
         await run.finish()
     except asyncio.CancelledError:
@@ -365,8 +395,9 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
 
 
 async def evaluate(evaluation_fn: Callable | None, setup: RolloutSetup, step: int, logger: RunLogger | None,
-                   cfg: RLConfig) -> dict[str, float]:
-    """Run `evaluation_fn(setup, step)` under `eval_timeout_s`; its metrics are logged under `eval/`.
+                   cfg: RLConfig, rollout_fn: Callable | None = None) -> dict[str, float]:
+    """Run `evaluation_fn(setup, step)` (or the cookbook's `evaluation_fn(step, rollout_fn)`,
+    `evaluation.call_evaluation`) under `eval_timeout_s`; its metrics are logged under `eval/`.
     The timeout bounds what it awaits: a synchronous one blocks the event loop until it returns, and stops the run
     past `event_loop_stall_s` (`loop_watchdog.py`)."""
     if evaluation_fn is None:
@@ -374,7 +405,7 @@ async def evaluate(evaluation_fn: Callable | None, setup: RolloutSetup, step: in
     deadline = asyncio.timeout(cfg.eval_timeout_s)
     try:
         async with deadline:
-            result = evaluation_fn(setup, step)
+            result = call_evaluation(evaluation_fn, setup, rollout_fn, step)
             if inspect.isawaitable(result):
                 result = await result
     except TimeoutError:

@@ -19,12 +19,13 @@ class RolloutStallError(TrainingError, TimeoutError):
 
 
 class CircuitBreaker:
-    """Trips after `max_consecutive` dropped draws in a row, or when at least `max_rate` of the last
-    `window` draws (once `min_observations` are in) were dropped.
+    """Trips after `max_consecutive` recoverable errors or timeouts in a row, or when at least `max_rate` of the last
+    `window` draws (once `min_observations` are in) failed so.
 
-    A drop is a recoverable error, a timeout, or a `None` return. A rollout that drops a few draws
-    on purpose stays far below the thresholds; one that drops every draw would otherwise leave the
-    trainer waiting `stall_timeout_s` for rows that never come.
+    A `None` return drops its draw on purpose (as in the Fireworks cookbook, whose breaker it never feeds: a rollout
+    may drop most draws, e.g. every reply that names no action) and counts toward neither threshold; but a whole
+    window of draws that all returned None trips it, since a rollout that drops every draw would otherwise leave
+    the trainer waiting `stall_timeout_s` for rows that never come.
     """
 
     def __init__(self, *, max_consecutive: int, max_rate: float, window: int, min_observations: int):
@@ -43,11 +44,19 @@ class CircuitBreaker:
 
     def record_failure(self, error: BaseException | None, reason: str) -> None:
         """Count one dropped draw; raises `CircuitBreakerError` when a threshold is crossed."""
-        self.consecutive += 1
         self.failures_total += 1
-        self.last_error = error
         self._recent.append(reason)
-        failed = [r for r in self._recent if r is not None]
+        if reason == NONE_RETURNED:
+            if len(self._recent) == self._recent.maxlen and all(r == NONE_RETURNED for r in self._recent):
+                raise CircuitBreakerError(
+                    f"the last {len(self._recent)} rollout draws all returned None. rollout_fn returns None to drop "
+                    "a draw on purpose; one that drops them all trains nothing: check its conditions (threshold: "
+                    "rollout_failure_window)"
+                )
+            return
+        self.consecutive += 1
+        self.last_error = error
+        failed = [r for r in self._recent if r is not None and r != NONE_RETURNED]
         rate = len(failed) / len(self._recent)
         if self.consecutive >= self.max_consecutive:
             why = f"{self.consecutive} consecutive rollout draws were dropped"
@@ -55,12 +64,6 @@ class CircuitBreaker:
             why = f"{len(failed)} of the last {len(self._recent)} rollout draws were dropped ({rate:.0%})"
         else:
             return
-        if all(r == NONE_RETURNED for r in failed):
-            raise CircuitBreakerError(
-                f"{why}: every draw returned None. rollout_fn returns None to drop a draw on purpose; one that "
-                "drops them all trains nothing: check its conditions (thresholds: max_consecutive_rollout_failures, "
-                "max_rollout_failure_rate)"
-            )
         raise CircuitBreakerError(
             f"{why}; the last failure was {reason} ({error!r}). The deployment or a tool the rollouts call "
             "looks down; fix it and resume (thresholds: max_consecutive_rollout_failures, max_rollout_failure_rate)"

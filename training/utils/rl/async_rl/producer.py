@@ -16,9 +16,9 @@ The trainer takes its batches from the producer (`next_batch`, `next_chunk`) and
 it (`publish`): one object, so a publication is one call that moves the coordinator, the gate,
 the durable cursor and admission together.
 
-Dropped draws (`None` returns, timeouts, connection errors, HTTP 408/429/5xx,
-`RecoverableRolloutError`) feed the circuit breaker; any other exception from a rollout stops the run with its own
-traceback, after every other call in flight is cancelled.
+Dropped draws (timeouts, connection errors, HTTP 408/429/5xx, `RecoverableRolloutError`) feed the circuit breaker,
+and `None` returns trip it once a whole window of draws returned None (`errors.CircuitBreaker`); any other exception
+from a rollout stops the run with its own traceback, after every other call in flight is cancelled.
 """
 
 from __future__ import annotations

@@ -155,6 +155,7 @@ async def run_draw(
     except Exception as exc:
         if is_recoverable(exc):
             return DrawResult(None, f"recoverable:{type(exc).__name__}", exc)
+        exc.add_note(f"raised by rollout_fn on row {row_id!r} draw {draw_index}")  # the traceback stays the user's
         raise
     if result is None:
         return DrawResult(None, NONE_RETURNED)

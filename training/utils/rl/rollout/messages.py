@@ -96,6 +96,11 @@ class ChatAssembler:
     def num_turns(self) -> int:
         return len(self.finish_reasons)
 
+    @property
+    def pending_messages(self) -> list[dict] | None:
+        """The messages of the last `prompt_ids` call while its reply is not yet added; else None."""
+        return copy.deepcopy(self._pending_messages)
+
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
         """Prompt for the next turn: the whole conversation as token ids, ending in the generation prompt.
 

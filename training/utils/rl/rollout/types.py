@@ -11,6 +11,7 @@ shifts each run's segments by one into `Datum`s carrying the run's advantage.
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,12 @@ class RolloutSample:
     versions: list[int] | None = None
     """Optional policy version that produced each token (-1 where not sampled)."""
     metadata: dict[str, Any] = field(default_factory=dict)
+    routing_matrices: list[str] | None = None
+    """The cookbook's MoE router-replay payload, accepted under its name. The trainer here recomputes the routes of
+    its own forward, so a dense policy needs none: None or empty; a non-empty list is a contract error."""
+    prompt_model_input: Any = None
+    """The cookbook's multimodal prompt (images), accepted under its name: None here, where policies are text-only
+    (anything else is a contract error)."""
 
 
 @dataclass
@@ -84,6 +91,22 @@ class RolloutSetup:
     """Bearer token `inference_base_url` requires (the embedded deployment's per-run secret), for an
     OpenAI client of the rollout's own; never hand it to an agent: agents go through `shim`."""
 
+    # The cookbook's names for the same fields (docs/coming-from-the-cookbook.md).
+    @property
+    def model(self) -> str:
+        """`model_name`: the name the deployment serves the policy under."""
+        return self.model_name
+
+    @property
+    def api_key(self) -> str | None:
+        """`inference_api_key`."""
+        return self.inference_api_key
+
+    @property
+    def tokenizer_id(self) -> str:
+        """Where `tokenizer` was loaded from: the policy's own tokenizer (`Config.model`)."""
+        return getattr(self.tokenizer, "name_or_path", None) or self.model_name
+
 
 @dataclass
 class PromptGroup:
@@ -97,10 +120,57 @@ class PromptGroup:
     submit_version: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    # The cookbook's names, for filters written against its PromptGroup.
+    @property
+    def rewards(self) -> list[float]:
+        """`rewards_G`: one raw reward per run (`dynamic_filter_fn=lambda pg: len(set(pg.rewards)) > 1`)."""
+        return self.rewards_G
+
+    @property
+    def completion_lens(self) -> list[int]:
+        """Trained tokens of each segment, runs in order (Σ loss_mask)."""
+        return [sum(segment.loss_mask) for run in self.runs_G for segment in run.segments]
+
+    @property
+    def truncated(self) -> list[bool]:
+        """Per segment: stopped at the length cap (`finish_reason == "length"`)."""
+        return [segment.finish_reason == "length" for run in self.runs_G for segment in run.segments]
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        """Per segment: the index of its first trained token."""
+        return [segment.loss_mask.index(1) for run in self.runs_G for segment in run.segments]
+
+    @property
+    def row_meta(self) -> dict[str, Any]:
+        """`row`: the dataset row."""
+        return self.row
+
+    def __getattr__(self, name: str):
+        # Only for names the fields lack: the cookbook's trainer-side group fields have no equal on a group here.
+        hint = _GROUP_HINTS.get(name)
+        raise AttributeError(f"'PromptGroup' object has no attribute {name!r}" + (f"; {hint}" if hint else ""))
+
     @property
     def datum_tokens(self) -> int:
         """Tokens of the datums its runs pack into (each segment shifted by one)."""
         return sum(len(segment.tokens) - 1 for run in self.runs_G for segment in run.segments)
+
+
+_GROUP_HINTS = {
+    "advantages": "advantages are computed where the group trains, from its rewards as shaped there (KL in the "
+                  "reward, overlong penalty); a filter judges `rewards`",
+    **{name: "the trainer packs datums where the group trains; a filter reads `rewards`, `runs_G`, `completion_lens`, "
+             "`truncated`" for name in ("data", "ref_data", "ref_logprobs", "inf_logprobs", "raw_inf_logprobs")},
+    "prompt_len": "`prompt_lens` (one per segment)",
+    "completions": "`runs_G` (each run's segments carry `text` and `tokens`)",
+}
+
+
+RolloutFn = Callable[..., Awaitable["RolloutSample | RolloutRun | None"]]
+"""`async def rollout_fn(row, **ctx) -> RolloutSample | RolloutRun | None`."""
+RolloutFnFactory = Callable[[RolloutSetup], RolloutFn]
+"""`make_rollout_fn(setup) -> rollout_fn`, called once at start-up."""
 
 
 def sample_from_completion(
@@ -192,6 +262,13 @@ def validate_run(result: Any, *, row_id: Any, draw_index: int, vocab_size: int |
 
 def _validate_sample(sample: RolloutSample, where: str, vocab_size: int | None, limit: SequenceLimit | None) -> None:
     _check_lengths(sample, where)
+    if sample.routing_matrices:
+        raise RolloutContractError(f"{where}: routing_matrices holds {len(sample.routing_matrices)} entries, but MoE "
+                                   "router replay is not done here (the trainer takes the routes of its own forward); "
+                                   "leave routing_matrices None")
+    if sample.prompt_model_input is not None:
+        raise RolloutContractError(f"{where}: prompt_model_input is set, but policies here are text-only; put the "
+                                   "prompt's token ids in tokens and leave prompt_model_input None")
     if limit is not None and len(sample.tokens) > limit.tokens:
         raise RolloutContractError(f"{where}: tokens has {len(sample.tokens)} entries, more than the {limit.tokens} "
                                    f"the run can train ({limit.source}); shorten the rollout (sampling.max_tokens, "
