@@ -1,7 +1,6 @@
 """Config values refused at construction (each error names its field), the ones deliberately kept,
-and the warning for a warmup longer than the run."""
+and the refusal of a warmup as long as the run."""
 
-import logging
 import math
 import os
 import subprocess
@@ -19,6 +18,7 @@ from training.utils.config import (
     TISConfig,
     TrainerConfig,
 )
+from training.utils.errors import ConfigError
 from training.utils.rl import startup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,20 +88,19 @@ def test_values_that_stay_allowed():
     assert TrainerConfig(learning_rate=1e39).learning_rate == 1e39
 
 
-@pytest.mark.parametrize(("warmup_steps", "warns"), [(9, True), (8, False)])
-def test_a_warmup_longer_than_the_run_warns(caplog, warmup_steps, warns):
-    # 2 batches x 2 epochs x 2 minibatches: 8 optimizer steps.
-    cfg = RLConfig(model="tiny-random", ppo_epochs=2, ppo_minibatches=2,
-                   trainer=TrainerConfig(warmup_steps=warmup_steps))
-    with caplog.at_level(logging.WARNING, logger="training"):
-        policy, _, _, _ = startup.setup_trainers(cfg, total_steps=2)
-    assert policy.cfg.total_steps == 8
-    messages = [r.getMessage() for r in caplog.records if r.name == "training"]
-    if warns:
-        assert len(messages) == 1
-        assert f"warmup_steps={warmup_steps}" in messages[0] and "8 planned optimizer steps" in messages[0]
-    else:
-        assert messages == []
+@pytest.mark.parametrize("max_steps", [2, None])
+def test_a_warmup_as_long_as_the_run_is_refused_naming_both(max_steps):
+    # 2 batches x 2 epochs x 2 minibatches: 8 optimizer steps (2 batches: max_steps=2, or 2 epochs of 2 rows at P=2).
+    def cfg(warmup_steps):
+        return RLConfig(model="tiny-random", ppo_epochs=2, ppo_minibatches=2, max_steps=max_steps, epochs=2,
+                        prompt_groups_per_step=2, trainer=TrainerConfig(warmup_steps=warmup_steps))
+
+    named = "max_steps=2" if max_steps else "2 batches of epochs=2"
+    with pytest.raises(ConfigError, match=rf"trainer.warmup_steps=8 is not shorter than the run's 8 planned optimizer "
+                                          rf"steps \({named} x ppo_epochs=2 x ppo_minibatches=2\)"):
+        startup.setup_trainers(cfg(8), total_steps=cfg(8).planned_steps(2))
+    policy, _, _, _ = startup.setup_trainers(cfg(7), total_steps=cfg(7).planned_steps(2))
+    assert policy.cfg.total_steps == 8 and policy.cfg.warmup_steps == 7
 
 
 def test_building_a_config_imports_no_torch():

@@ -297,3 +297,48 @@ def test_an_overflowing_reward_stops_the_run_naming_row_and_draw(tmp_path):
     stops_before_training(rl_loop, tmp_path, huge_reward, (
         "row 'r1' draw 1 segment 0: reward is -1e+200, outside [-1e+15, 1e+15]: beyond that the advantage "
         "arithmetic overflows; rescale the reward"))
+
+
+@pytest.mark.parametrize("returns", ["sample", "run"])
+def test_a_sample_changed_after_its_return_trains_as_returned(tmp_path, returns):
+    """Issue 63: a rollout appends three tokens to what it returned 1 ms later; what trains is what it returned."""
+    from training.recipes import async_rl_loop
+    from training.utils.config import SamplingConfig
+    from training.utils.logging import read_ledger
+    from training.utils.rl.rollout.types import RolloutRun
+
+    rows = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(4)]
+    changed = []
+
+    def factory(mutate: bool):
+        def make_rollout_fn(setup):
+            async def rollout_fn(row, sample_index):
+                out = sample_from_completion(row["prompt_token_ids"], [70 + sample_index, 71, 72, 73],
+                                             [-1.0] * 4, reward=float(sample_index))
+
+                def grow():
+                    for values, extra in ((out.tokens, [74, 75, 76]), (out.logprobs, [-1.0] * 3),
+                                          (out.loss_mask, [1, 1, 1])):
+                        values.extend(extra)
+                    changed.append(len(out.tokens))
+
+                if mutate:
+                    asyncio.get_running_loop().call_later(0.001, grow)
+                return out if returns == "sample" else RolloutRun(segments=[out])
+
+            return rollout_fn
+
+        return make_rollout_fn
+
+    def trained(name: str, mutate: bool) -> list[tuple[float, float]]:
+        cfg = async_rl_loop.Config(model="tiny-random", completions_per_prompt=4, prompt_groups_per_step=2,
+                                   max_steps=2, log_path=str(tmp_path / name), sampling=SamplingConfig(max_tokens=4),
+                                   progress=False)
+        summary = async_rl_loop.main(cfg, rows=rows, rollout_fn_factory=factory(mutate))
+        return [(r["rollout/response_len_mean"], r["perf/train_tokens"]) for r in read_ledger(summary["ledger"])
+                if "perf/train_tokens" in r]
+
+    control = trained("control", mutate=False)
+    assert control == [(4.0, 2 * 4 * 7.0)] * 2  # 4 sampled tokens; 8 runs of 8 tokens, 7 positions each
+    assert trained("mutated", mutate=True) == control
+    assert len(changed) == 16 and set(changed) == {11}  # every returned sample did grow, after its return

@@ -122,7 +122,8 @@ class DeploymentConfig(StrictModel):
     """Upper bound on one weight sync; exceeding it raises instead of hanging."""
     weight_dir: str | None = None
     """Where `disk` sync writes `step_<version>/` directories; an external server must see it at the same path
-    (a shared filesystem). None: a temporary directory, removed at the end (enough for a server on this machine)."""
+    (a shared filesystem). None: a private directory under the temporary one, removed at the end, or by the next
+    run if this one is killed (enough for a server on this machine; docs/deployments.md)."""
     nccl_master_address: str | None = None
     """Address of this trainer that the server's GPUs reach for `nccl` sync; None: this host's address."""
     nccl_master_port: int = Field(0, ge=0, le=65535)

@@ -103,15 +103,15 @@ class RunLogger:
                 log.warning("W&B logging failed (%s); continuing without W&B", exc)
                 self._wandb = None
 
-    def close(self) -> list[Path]:
-        """Flush the ledger, finish W&B, and draw the plots; returns the PNG paths."""
+    def close(self, plots: bool = True) -> list[Path]:
+        """Flush the ledger, finish W&B, and draw the plots unless told not to; returns the PNG paths."""
         self._ledger.close()
         if self._wandb is not None:
             try:
                 self._wandb.finish()
             except Exception as exc:
                 log.warning("W&B finish failed: %s", exc)
-        return plot_ledger(self.ledger_path, self.run_dir)
+        return plot_ledger(self.ledger_path, self.run_dir) if plots else []
 
 
 def _free_path(directory: Path, pattern: str) -> Path:

@@ -27,7 +27,8 @@ class TrainerConfig(StrictModel):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Shape after warmup: constant, linear decay to `min_lr_ratio`, or cosine decay to `min_lr_ratio`."""
     warmup_steps: int = Field(0, ge=0)
-    """Optimizer steps of linear warmup from 0 to the peak learning rate."""
+    """Optimizer steps of linear warmup from 0 to the peak learning rate; a recipe refuses one that is not shorter
+    than its run."""
     min_lr_ratio: FiniteFloat = Field(0.0, ge=0, le=1)
     """Final learning rate of the linear/cosine schedules, as a fraction of the peak."""
     total_steps: int | None = Field(None, gt=0)

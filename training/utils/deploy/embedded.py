@@ -11,7 +11,6 @@ HTTP server (`server.py`) inside the training process (docs/deployments.md).
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,8 +69,8 @@ async def start_embedded_deployment(
 
     `model` must be a copy the deployment owns (e.g. `copy.deepcopy(policy)`), never the
     trainer's module. `sampling_timeout_s` is the default per-request timeout of the sampler
-    and the engine. `weight_dir` holds safetensors for `cfg.weight_sync="disk"` (default: a
-    temporary directory removed at `close`). The server requires `cfg.api_key`, or a secret generated
+    and the engine. `weight_dir` holds safetensors for `cfg.weight_sync="disk"` (default: a private
+    directory, `weight_dir.py`, removed at `close`). The server requires `cfg.api_key`, or a secret generated
     for this deployment when it is None; the returned handle's `api_key` is the one in force. `weight_targets`:
     the only tensors of `model` a sync writes, and `owned_tensors` those the engine holds itself (`Engine`), for a
     LoRA model over the trainer's base.
@@ -85,7 +84,7 @@ async def start_embedded_deployment(
     except BaseException:
         await asyncio.to_thread(engine.close)
         if own_dir is not None:
-            shutil.rmtree(own_dir, ignore_errors=True)
+            own_dir.remove()
         raise
     # Every client of ours carries the server's secret (docs/deployments.md).
     sampler = Sampler(base_url, model_name, api_key=server.api_key, timeout_s=sampling_timeout_s, tokenizer=tokenizer)

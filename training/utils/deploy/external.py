@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -43,6 +41,7 @@ from training.utils.deploy.sglang import SGLangProtocol, SGLangWeightSync, log_s
 from training.utils.deploy.vllm import VLLMProtocol, VLLMWeightSync
 from training.utils.deploy.vllm_generate import use_generate_if_served
 from training.utils.deploy.vllm_lora import VLLMLoRASync, serves_lora_loading
+from training.utils.deploy.weight_dir import OwnedWeightDir
 from training.utils.deploy.weight_sync import ExternalWeightSync, NoWeightSync, WeightSync
 from training.utils.errors import DeploymentError
 
@@ -143,7 +142,7 @@ async def _weight_sync_class(
 
 async def _connect_weight_sync(
     sync_class: type[ExternalWeightSync] | None, cfg: DeploymentConfig, base_url: str, model_config, sampler: Sampler
-) -> tuple[WeightSync, Path | None]:
+) -> tuple[WeightSync, OwnedWeightDir | None]:
     """The initialised weight sync `cfg.weight_sync` names, and the weight directory it created (if any); it closes
     `sampler`'s gate while it holds the server paused."""
     if cfg.weight_sync == "none":
@@ -162,7 +161,7 @@ async def _connect_weight_sync(
         await weight_sync.init()
     except BaseException:
         if own_dir is not None:
-            shutil.rmtree(own_dir, ignore_errors=True)
+            own_dir.remove()
         raise
     return weight_sync, own_dir
 

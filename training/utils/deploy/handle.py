@@ -4,12 +4,11 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.utils.deploy.sampler import Sampler
+from training.utils.deploy.weight_dir import OwnedWeightDir
 from training.utils.deploy.weight_sync import WeightSync
 
 
@@ -22,8 +21,8 @@ class DeploymentHandle:
     api_key: str | None = field(default=None, repr=False)
     """The bearer token the server requires (the embedded server's per-run secret unless
     `deployment.api_key` is set); for clients of the library's own making, never an agent's."""
-    owned_weight_dir: Path | None = field(default=None, repr=False)
-    """A directory for disk-synced weights that the deployment created, removed at `close`."""
+    owned_weight_dir: OwnedWeightDir | None = field(default=None, repr=False)
+    """A directory for disk-synced weights that the deployment created, removed at `close` (`weight_dir.py`)."""
     context_tokens: int | None = None
     """The longest context (prompt + completion tokens) the deployment serves; None when it does not say."""
     syncs_at_start: bool = False
@@ -69,15 +68,16 @@ class DeploymentHandle:
                 await self._stop_server(timeout)
             finally:
                 if self.owned_weight_dir is not None:
-                    shutil.rmtree(self.owned_weight_dir, ignore_errors=True)
+                    self.owned_weight_dir.remove()
 
     async def _stop_server(self, timeout: float) -> None:
         """Nothing by default: an external server keeps running."""
 
 
-def weight_dir_for(weight_sync: str, directory: str | Path | None) -> tuple[str | Path | None, Path | None]:
-    """(where disk syncs write, the temporary directory created for them when none was given)."""
+def weight_dir_for(weight_sync: str,
+                   directory: str | Path | None) -> tuple[str | Path | None, OwnedWeightDir | None]:
+    """(where disk syncs write, the private directory created for them when none was given)."""
     if weight_sync == "disk" and directory is None:
-        own_dir = Path(tempfile.mkdtemp(prefix="weights_"))
-        return own_dir, own_dir
+        own_dir = OwnedWeightDir()
+        return own_dir.path, own_dir
     return directory, None

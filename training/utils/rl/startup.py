@@ -45,13 +45,16 @@ def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference 
     or with LoRA the policy's own module with its adapters disabled (the base model, no copy); the tokenizer;
     and the loaded model's identity (`resume.model_identity`), which checkpoints record.
 
-    `total_steps` is the run's planned batches; warns when `trainer.warmup_steps` outlasts its optimizer steps."""
+    `total_steps` is the run's planned batches; a `trainer.warmup_steps` as long as its optimizer steps is refused
+    before anything loads."""
     trainer_cfg = cfg.trainer
     optimizer_steps = total_steps * cfg.ppo_epochs * cfg.ppo_minibatches
-    if trainer_cfg.warmup_steps > optimizer_steps:
-        log.warning("trainer.warmup_steps=%d is longer than the run's %d planned optimizer steps (%d batches x "
-                    "ppo_epochs x ppo_minibatches): the learning rate never reaches trainer.learning_rate",
-                    trainer_cfg.warmup_steps, optimizer_steps, total_steps)
+    if trainer_cfg.warmup_steps >= optimizer_steps:
+        batches = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{total_steps} batches of epochs={cfg.epochs}"
+        raise ConfigError(
+            f"trainer.warmup_steps={trainer_cfg.warmup_steps} is not shorter than the run's {optimizer_steps} planned "
+            f"optimizer steps ({batches} x ppo_epochs={cfg.ppo_epochs} x ppo_minibatches={cfg.ppo_minibatches}): the "
+            "learning rate would never reach trainer.learning_rate. Lower trainer.warmup_steps or train longer")
     device = default_device()
     notice = openmp.import_time_notice() if device.type == "cpu" else None
     if notice:

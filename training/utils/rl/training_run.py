@@ -353,6 +353,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
     logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress, wandb_project=cfg.wandb_project,
                        config=cfg.model_dump(), new_run=not progress)
     shim = run = None
+    finished = False
     watchdog = LoopWatchdog(cfg.event_loop_stall_s).start()  # from here on, a blocked event loop stops the run
     try:
         start_step = progress.get("step", 0)
@@ -371,6 +372,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         run.metrics = await evaluate(evaluation_fn, setup, start_step, logger, cfg, run.rollout_fn)
         await loop(run, **loop_kwargs)
         await run.finish()
+        finished = True
     except asyncio.CancelledError:
         watchdog.raise_if_fired()  # the watchdog's cancel: the run ends with its error
         raise
@@ -380,7 +382,9 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         # (under torchrun, then release the other ranks); 2. close the ledger; 3. stop the agent shim, then
         # the deployment it samples from.
         await worker.close()
-        plots = logger.close()
+        # A run that stops on an error stops now: its ledger holds every record, and drawing the plots takes
+        # seconds (`logging.plot_ledger` draws them later, and so does the run that resumes it, at its end).
+        plots = logger.close(plots=finished)
         if shim is not None:
             await shim.close()
         await deployment.close()

@@ -10,6 +10,7 @@ shifts each run's segments by one into `Datum`s carrying the run's advantage.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -227,29 +228,36 @@ def sequence_limit(*, configured: int | None, model_positions: int | None,
 
 def validate_run(result: Any, *, row_id: Any, draw_index: int, vocab_size: int | None,
                  limit: SequenceLimit | None = None) -> RolloutRun:
-    """Check one rollout return against the contract; return it as a `RolloutRun`.
+    """Check one rollout return against the contract; return the library's own copy of it as a `RolloutRun`.
 
+    The copy is taken first and is what is checked and trained: the user's objects stay the user's, so a rollout
+    that changes its sample after returning it (a callback, a task still running) changes nothing that trains.
     Raises `RolloutContractError` naming the row, draw, segment and field. A segment longer than `limit` is
     refused before any per-token check, so a huge one costs nothing. `None` is handled by the caller (a counted
     drop), never passed here.
     """
     where = f"row {row_id!r} draw {draw_index}"
     if isinstance(result, RolloutSample):
-        run = RolloutRun(segments=[result])
+        segments, run_id, metadata = [result], None, None
     elif isinstance(result, RolloutRun):
-        run = result
+        segments, run_id, metadata = result.segments, result.run_id, result.metadata
     else:
         raise RolloutContractError(
             f"{where}: rollout_fn returned {type(result).__name__}; expected RolloutSample, RolloutRun or None"
         )
-    if not run.segments:
-        raise RolloutContractError(f"{where}: RolloutRun has no segments")
-    for segment_index, sample in enumerate(run.segments):
+    if not isinstance(segments, (list, tuple)) or not segments:
+        raise RolloutContractError(f"{where}: RolloutRun has no segments" if isinstance(segments, (list, tuple))
+                                   else f"{where}: RolloutRun.segments is {type(segments).__name__}, expected a list")
+    run = RolloutRun(segments=[], run_id=run_id, metadata=dict(metadata) if isinstance(metadata, dict) else metadata)
+    for segment_index, sample in enumerate(segments):
         if not isinstance(sample, RolloutSample):
             raise RolloutContractError(
                 f"{where} segment {segment_index}: segments holds {type(sample).__name__}, expected RolloutSample"
             )
-        _validate_sample(sample, f"{where} segment {segment_index}", vocab_size, limit)
+        _check_limit(sample, f"{where} segment {segment_index}", limit)  # before the copy: a huge one costs nothing
+        sample = _own_copy(sample, f"{where} segment {segment_index}")
+        _validate_sample(sample, f"{where} segment {segment_index}", vocab_size)
+        run.segments.append(sample)
     first_reward = run.segments[0].reward
     for segment_index, sample in enumerate(run.segments[1:], start=1):
         if sample.reward != first_reward:
@@ -260,7 +268,35 @@ def validate_run(result: Any, *, row_id: Any, draw_index: int, vocab_size: int |
     return run
 
 
-def _validate_sample(sample: RolloutSample, where: str, vocab_size: int | None, limit: SequenceLimit | None) -> None:
+def _own_copy(sample: RolloutSample, where: str) -> RolloutSample:
+    """A copy of `sample` whose per-token lists and metadata dict are new objects (their items are immutable)."""
+
+    def own(name: str) -> list | None:
+        values = getattr(sample, name)
+        if values is None and name in ("raw_logprobs", "versions"):
+            return None
+        try:
+            return list(values)
+        except TypeError:
+            raise RolloutContractError(f"{where}: {name} is {type(values).__name__}, expected a list") from None
+
+    metadata = dict(sample.metadata) if isinstance(sample.metadata, dict) else sample.metadata
+    return dataclasses.replace(sample, tokens=own("tokens"), logprobs=own("logprobs"), loss_mask=own("loss_mask"),
+                               raw_logprobs=own("raw_logprobs"), versions=own("versions"), metadata=metadata)
+
+
+def _check_limit(sample: RolloutSample, where: str, limit: SequenceLimit | None) -> None:
+    try:
+        n = len(sample.tokens)
+    except TypeError:
+        raise RolloutContractError(f"{where}: tokens is {type(sample.tokens).__name__}, expected a list") from None
+    if limit is not None and n > limit.tokens:
+        raise RolloutContractError(f"{where}: tokens has {n} entries, more than the {limit.tokens} the run can train "
+                                   f"({limit.source}); shorten the rollout (sampling.max_tokens, fewer turns) or drop "
+                                   "the draw by returning None")
+
+
+def _validate_sample(sample: RolloutSample, where: str, vocab_size: int | None) -> None:
     _check_lengths(sample, where)
     if sample.routing_matrices:
         raise RolloutContractError(f"{where}: routing_matrices holds {len(sample.routing_matrices)} entries, but MoE "
@@ -269,10 +305,6 @@ def _validate_sample(sample: RolloutSample, where: str, vocab_size: int | None, 
     if sample.prompt_model_input is not None:
         raise RolloutContractError(f"{where}: prompt_model_input is set, but policies here are text-only; put the "
                                    "prompt's token ids in tokens and leave prompt_model_input None")
-    if limit is not None and len(sample.tokens) > limit.tokens:
-        raise RolloutContractError(f"{where}: tokens has {len(sample.tokens)} entries, more than the {limit.tokens} "
-                                   f"the run can train ({limit.source}); shorten the rollout (sampling.max_tokens, "
-                                   "fewer turns) or drop the draw by returning None")
     _check_reward_and_finish(sample, where)
     _check_mask(sample.loss_mask, where)
     _check_tokens(sample.tokens, where, vocab_size)
