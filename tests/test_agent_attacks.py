@@ -240,5 +240,9 @@ def test_every_attack_fails_from_inside_a_run_of_an_ordinary_user(tmp_path):
     shutil.rmtree(home, ignore_errors=True)
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
     outcome = json.loads(outcome_text)
+    print(f"attack run as {ORDINARY_USER} ({outcome['sandbox']}, uid {user.pw_uid}): RSS "
+          f"{outcome['rss_before'] / 2**20:.0f} MiB before the attack, {outcome['rss_peak'] / 2**20:.0f} at its most, "
+          f"{outcome['rss_after'] / 2**20:.0f} after; {outcome['report']['f6_connections_held']['got']} of 200 held; "
+          f"agent uid {outcome['report']['uid']}")
     assert outcome["report"]["uid"] in (user.pw_uid, 0)  # 0: root of its own user namespace (unshare)
     check_attacks_failed(outcome)

@@ -1,7 +1,10 @@
 """Run files an adversary rewrites with their checksums (F4 of issue #62, from outside any sandbox, without the run
 key): a signed checkpoint whose files and `checksums.json` were rewritten, stripped of its signature, or moved
-away from its key is refused by name; a dataset whose rows were rewritten under their ids refuses the resume."""
+away from its key is refused by name; a dataset whose rows were rewritten under their ids refuses the resume; and
+weights replaced between a disk sync's write and the server's load (F3) stop the run at the probe after the sync."""
 
+import asyncio
+import copy
 import hashlib
 import json
 import logging
@@ -10,6 +13,7 @@ import stat
 import numpy as np
 import pytest
 
+from engine_support import deployed
 from test_checkpoint_integrity import (
     CHECKPOINT_LOG,
     checkpoint_dir,
@@ -22,10 +26,13 @@ from test_checkpoint_integrity import (
 )
 from training.examples.rl.blackbox_agent import make_data
 from training.utils.checkpoint import MANIFEST_FILE, save_checkpoint, verify_checkpoint
-from training.utils.config import RLConfig
-from training.utils.errors import CheckpointError, ConfigError
+from training.utils.config import RLConfig, TrainerConfig
+from training.utils.errors import CheckpointError, ConfigError, DeploymentError
+from training.utils.model import load_model_and_tokenizer
 from training.utils.rl.resume import check_resumable, run_settings
+from training.utils.rl.startup import SERVED_GAP_LIMIT, check_served_weights, sync_deployment
 from training.utils.run_key import KEY_FILE
+from training.utils.trainer import Trainer
 
 
 @pytest.fixture
@@ -104,3 +111,32 @@ def test_rows_rewritten_under_their_ids_refuse_the_resume():
                                           r"now '[0-9a-f]{16}'\. The dataset's rows changed since it was written"):
         check_resumable({"step": 3, "settings": recorded}, run_settings(cfg, tampered, "async_rl_loop", model))
     check_resumable({"step": 3, "settings": recorded}, run_settings(cfg, rows, "async_rl_loop", model))
+
+
+class Inline:
+    """The trainer worker's `run`, in this thread."""
+
+    async def run(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+
+def test_weights_replaced_between_a_disk_sync_and_the_load_stop_the_run():
+    torch_model, tokenizer = load_model_and_tokenizer("tiny-random")
+    policy = Trainer(torch_model, TrainerConfig(learning_rate=1e-3))
+    planted = copy.deepcopy(policy.model)
+    for parameter in planted.parameters():  # the attacker's weights: the run's, every one doubled
+        parameter.data *= 2.0
+
+    async def scenario():
+        async with deployed(policy.model, tokenizer, weight_sync="disk") as deployment:
+            await sync_deployment(deployment, Inline(), policy, 1)  # the pushed weights served: the probe passes
+            honest = await check_served_weights(deployment, Inline(), policy, 1)
+            await deployment.weight_sync.sync(planted.state_dict(), version=2)  # what the server loaded instead
+            with pytest.raises(DeploymentError) as refused:
+                await check_served_weights(deployment, Inline(), policy, 2)
+            return honest, str(refused.value)
+
+    honest, message = asyncio.run(scenario())
+    assert honest < SERVED_GAP_LIMIT / 5
+    assert "after the weight sync to version 2, the deployment's logprobs differ from the trainer's by" in message
+    assert "it does not serve the weights just written to" in message
