@@ -40,6 +40,7 @@ from training.utils.errors import ConfigError, RecoverableRolloutError
 from training.utils.logging import read_ledger
 from training.utils.model import load_model_and_tokenizer, smollm2_available
 from training.utils.rl.rollout.types import RolloutSetup
+from training.utils.sandbox import choose_sandbox
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
 from training.utils.trainer import Trainer
 
@@ -279,7 +280,8 @@ def test_an_agent_past_its_timeout_is_killed_and_dropped(tiny):
 def test_run_agent_kills_the_process_on_timeout(tmp_path):
     async def scenario():
         env = agent_env("http://127.0.0.1:9", "unused")  # never reached: killed while starting up
-        return await run_agent("compute 1 + 1", str(tmp_path), env, max_turns=1, timeout_s=0.05)
+        return await run_agent(choose_sandbox("auto"), "compute 1 + 1", str(tmp_path), env, max_turns=1,
+                               timeout_s=0.05)
 
     result = asyncio.run(scenario())
     assert result.timed_out and result.returncode == -9 and not result.ok

@@ -19,9 +19,10 @@ import pytest
 from shim_support import make_tiny, scripted, shim_stack
 from training.examples.rl.cli_agent import clis, task
 from training.examples.rl.cli_agent.clis import CLIS, Run
-from training.examples.rl.cli_agent.rollout import OUTPUT_KEPT_BYTES, chosen_cli, make_rollout_fn, run_cli
+from training.examples.rl.cli_agent.rollout import chosen_cli, make_rollout_fn, run_cli
 from training.utils.errors import ConfigError, RecoverableRolloutError
 from training.utils.rl.rollout.types import RolloutSetup
+from training.utils.sandbox import OUTPUT_KEPT_BYTES, AgentSandbox, choose_sandbox
 
 SECRETS = {"ANTHROPIC_AUTH_TOKEN": "real-token", "OPENAI_API_KEY": "real-key", "WANDB_API_KEY": "wandb-key",
            "HF_TOKEN": "hf-token", "AWS_SECRET_ACCESS_KEY": "aws-secret"}
@@ -115,7 +116,9 @@ def test_run_cli_feeds_the_task_on_stdin_and_kills_what_the_cli_left_running(tmp
         exit 3
     """)
     launch = clis.Launch([str(cli)], {"PATH": os.environ["PATH"]})
-    result = asyncio.run(run_cli(launch, "-x the task", str(tmp_path), str(tmp_path), timeout_s=60))
+    # Unisolated, the kit still kills the process group it started; a sandbox kills its whole pid namespace.
+    result = asyncio.run(run_cli(AgentSandbox("none"), launch, "-x the task", str(tmp_path), str(tmp_path),
+                                 timeout_s=60))
     assert (result.returncode, result.stdout, result.timed_out) == (3, "-x the task", False)
     assert result.seconds < 30 and gone(int((tmp_path / "child.pid").read_text()))
 
@@ -127,7 +130,7 @@ def test_run_cli_kills_a_cli_past_its_timeout_and_keeps_only_the_end_of_its_outp
         sleep 300
     """)
     launch = clis.Launch([str(cli)], {"PATH": os.environ["PATH"]})
-    result = asyncio.run(run_cli(launch, "", str(tmp_path), str(tmp_path), timeout_s=2))
+    result = asyncio.run(run_cli(choose_sandbox("auto"), launch, "", str(tmp_path), str(tmp_path), timeout_s=2))
     assert result.timed_out and result.returncode == -9 and result.crash_reason(5) == "timed out"
     assert len(result.stdout) == OUTPUT_KEPT_BYTES and result.stdout.endswith("a" * 100 + "END\n")
 

@@ -174,14 +174,16 @@ def test_a_warm_start_from_another_models_checkpoint_stays_possible(tmp_path, ti
 
 def test_a_checkpoint_from_before_the_model_and_content_checks_resumes_with_a_warning(caplog):
     current = {"recipe": "rl_loop", "completions_per_prompt": 2, "prompt_groups_per_step": 2, "seed": 0,
-               "dataset_rows": 4, "dataset_row_ids": "ids", "dataset_content": "content", "epochs": 1,
+               "dataset_rows": 4, "dataset_row_ids": "ids", "dataset_content": "content",
+               "dataset_digest": "digest", "epochs": 1,
                "max_head_offpolicy_versions": None, "model": "m", "model_architecture": "llama",
                "model_weights": "w"}
     older = {name: value for name, value in current.items()
-             if name not in ("dataset_content", "model", "model_architecture", "model_weights")}
+             if name not in ("dataset_content", "dataset_digest", "model", "model_architecture", "model_weights")}
     with caplog.at_level(logging.WARNING, logger="training"):
         check_resumable({"step": 3, "settings": older}, current)
-    assert caplog.messages == ["the checkpoint at step 3 does not record dataset_content, model_architecture, "
+    assert caplog.messages == ["the checkpoint at step 3 does not record dataset_content, dataset_digest, "
+                               "model_architecture, "
                                "model_weights (written by an older version): not checked"]
     with pytest.raises(ConfigError, match="dataset_row_ids was 'ids', now 'other'"):
         check_resumable({"step": 3, "settings": older}, current | {"dataset_row_ids": "other"})

@@ -10,15 +10,16 @@ A checkpoint is one directory `<log_path>/checkpoints/step-<N>/` holding a DCP s
 - the RNG states (torch, CUDA, numpy generator, Python `random`),
 
 plus `progress.json`, a readable copy of `progress`, and `checksums.json`, the size and sha256 of every
-other file, written last. It is written to `step-<N>.tmp/`, every file and the directory are fsynced,
-then it is renamed and the parent directory fsynced, so neither a crash mid-save nor a power loss
-leaves anything but the previous checkpoint as the newest complete one.
+other file, signed with the run's key (`run_key.py`), written last. It is written to `step-<N>.tmp/`, every
+file and the directory are fsynced, then it is renamed and the parent directory fsynced, so neither a crash
+mid-save nor a power loss leaves anything but the previous checkpoint as the newest complete one.
 
 Integrity rules:
 - `load_checkpoint` checks the files against `checksums.json` before reading any of them and raises
   `CheckpointError` naming a missing, truncated or changed file. A checkpoint without a manifest (written
   before checksums, or whose manifest was deleted) is damaged like one with a changed file, since nothing
-  can tell its bytes are the ones written; `allow_unverified=True` loads it anyway, with a warning.
+  can tell its bytes are the ones written; so is one whose manifest lacks this run's signature (files rewritten
+  together with their checksums); `allow_unverified=True` loads either anyway, with a warning.
 - `load_weights` (a warm start) checks the files the same way, then loads only the policy's weights.
 - `load_latest_verified` (what the recipes call at start-up) loads an explicitly named checkpoint or
   fails; otherwise it walks back from the newest checkpoint past damaged ones with a warning each,
@@ -68,7 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from training.utils import distributed
+from training.utils import distributed, run_key
 from training.utils.atomic_dir import fsync_dir
 from training.utils.errors import CheckpointError, ConfigError
 from training.utils.trainer import Trainer
@@ -231,7 +232,11 @@ def verify_checkpoint(path: str | Path, *, allow_unverified: bool = False) -> st
         problem = _file_problem(path / name, size, digest)
         if problem:
             return problem
-    return None
+    unsigned = run_key.signature_problem(path.parent.parent, path / MANIFEST_FILE)  # checkpoints/ in the run dir
+    if unsigned and allow_unverified:
+        log.warning("%s; loading it anyway, as allow_unverified_checkpoint asks", unsigned)
+        return None
+    return unsigned
 
 
 def _load_checked(path: Path, policy: Trainer, np_rng: np.random.Generator | None, allow_unverified: bool,
@@ -402,7 +407,9 @@ def _seal(directory: Path) -> None:
     entries = {p.relative_to(directory).as_posix(): _hash_and_sync(p) for p in files}
     manifest = directory / MANIFEST_FILE
     with manifest.open("w") as f:
-        json.dump({"algorithm": "sha256", "files": entries}, f, indent=1, sort_keys=True)
+        # Signed with the run's key, which no agent can read: checksums alone an adversary would rewrite too.
+        json.dump({"algorithm": "sha256", "files": entries, **run_key.sign(directory.parent.parent, entries)}, f,
+                  indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     for folder in sorted({directory, *(p.parent for p in files)}, reverse=True):

@@ -247,6 +247,11 @@ class RLConfig(StrictModel):
     """Push weights to the deployment every this many optimizer batches."""
     agent_shim: AgentShimConfig = Field(default_factory=AgentShimConfig)
     """The agent shim black-box agents call as their model endpoint; off unless `agent_shim.enabled`."""
+    agent_sandbox: Literal["auto", "required", "off"] = "auto"
+    """Where agents started through `setup.sandbox` run: in pid, mount and network namespaces of their own
+    (bubblewrap, else util-linux's `unshare`), chosen at start-up and logged (docs/agent-shim.md: Security).
+    `auto` runs them unisolated, with one warning naming what to install, where neither works; `required` makes
+    that a start-up error; `off` never isolates them."""
 
     # -- memory ------------------------------------------------------------------------------
     memory_budget_gib: FiniteFloat | None = Field(None, gt=0)

@@ -268,6 +268,20 @@ class AgentShimConfig(StrictModel):
     max_open_sessions: int = Field(1024, gt=0)
     """Most sessions open at once (the shim's 429): `open_session` beyond it raises `SessionLimitError`
     (recoverable: the draw is dropped) until sessions are finished, discarded or expire."""
+    max_connections: int = Field(512, gt=0)
+    """Most connections open at once on the shim's TCP port (in-process clients, unsandboxed agents); one more is
+    closed as it opens, so a connection flood holds a bounded number of file descriptors."""
+    max_connections_per_session: int = Field(16, gt=0)
+    """Most connections open at once on a sandboxed agent's own socket (its session's); one more is closed as it
+    opens. An agent and its sub-agents need a few."""
+    max_request_items: int = Field(50_000, gt=0)
+    """Most JSON objects and arrays (messages, content blocks, tools, their schemas) one request may hold, counted
+    before the body is parsed (a 413 beyond it): a parsed object costs hundreds of bytes however short its text.
+    Real agents' requests hold a few thousand."""
+    max_request_memory_in_flight: int = Field(512 * 2**20, gt=0)
+    """Most bytes that parsed requests may take at once, estimated from their size and item count before parsing:
+    process-wide this many, one session half of it. A request that finds no room waits in arrival order (a 503
+    after `client_timeout_s`); one larger than a session's share is a 413."""
 
     @model_validator(mode="after")
     def _room_for_one_body(self) -> AgentShimConfig:

@@ -78,6 +78,17 @@ def malloc_free_bytes() -> int | None:
     return None if mallinfo2 is None else int(mallinfo2().fordblks)
 
 
+def give_back_memory() -> None:
+    """Hand the memory the allocator holds free back to the system: glibc's `malloc_trim(0)`, or mimalloc's
+    `mi_collect(true)` in a run restarted under it; nothing where neither is found. After a large request the
+    freed pages would otherwise stay resident, and the process's memory would only grow."""
+    libc = ctypes.CDLL(None)
+    allocator = active_allocator()
+    function = getattr(ctypes.CDLL(allocator), "mi_collect", None) if allocator else getattr(libc, "malloc_trim", None)
+    if function is not None:
+        function(1 if allocator else 0)
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",

@@ -17,13 +17,16 @@ wrapped (`serve`) and bounds, version-independently, each state a client can lea
   bodies under a deadline (`read_body`).
 
 A connection past a deadline is aborted: a graceful close would first wait to flush what the
-client is not reading.
+client is not reading. Each listener also caps the connections open on it at once (`max_connections`): one
+past the cap is aborted as it opens, so a flood of connections holds a bounded number of file descriptors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 
 from aiohttp import web
 
@@ -45,15 +48,32 @@ class ClientDeadlines:
     def __len__(self) -> int:
         return len(self._connections)
 
-    async def serve(self, runner: web.BaseRunner, host: str, port: int) -> str:
-        """Listen on `host:port` (0: a free port) for `runner`, set up, each connection under the deadlines;
-        returns the base URL (`http://host:port`). Call `stop_listening` before `runner.cleanup()`."""
-        http = runner.server
-        if http is None:
-            raise RuntimeError("set the runner up before serving it")
-        self._listening = await asyncio.get_running_loop().create_server(lambda: _Connection(http(), self), host, port)
+    async def serve(self, runner: web.BaseRunner, host: str, port: int, max_connections: int | None = None) -> str:
+        """Listen on `host:port` (0: a free port) for `runner`, set up, each connection under the deadlines, at most
+        `max_connections` open at once; returns the base URL (`http://host:port`). Call `stop_listening` before
+        `runner.cleanup()`."""
+        http = _http_factory(runner)
+        cap = _Cap(max_connections)
+        self._listening = await asyncio.get_running_loop().create_server(
+            lambda: _Connection(http(), self, cap), host, port)
         bound_port = self._listening.sockets[0].getsockname()[1]
         return f"http://{f'[{host}]' if ':' in host else host}:{bound_port}"
+
+    async def serve_unix(self, runner: web.BaseRunner, path: str, max_connections: int) -> asyncio.AbstractServer:
+        """Also listen on the Unix socket `path` (created 0600), at most `max_connections` open on it at once; the
+        returned server stops it (`close()`, then unlink `path`)."""
+        http = _http_factory(runner)
+        cap = _Cap(max_connections)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # set and restored around the bind alone: processes started meanwhile inherit it
+        try:
+            sock.bind(path)
+        except OSError:
+            sock.close()
+            raise
+        finally:
+            os.umask(old)
+        return await asyncio.get_running_loop().create_unix_server(lambda: _Connection(http(), self, cap), sock=sock)
 
     def stop_listening(self) -> None:
         """Accept no more connections; those open are the runner's to close (`runner.cleanup()`)."""
@@ -74,33 +94,62 @@ class ClientDeadlines:
             connection.request_ended()
 
 
+def _http_factory(runner: web.BaseRunner):
+    http = runner.server
+    if http is None:
+        raise RuntimeError("set the runner up before serving it")
+    return http
+
+
+class _Cap:
+    """The connections open on one listener, and how many may be."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.open = 0
+        self.refused = 0
+
+
 class _Connection(asyncio.Protocol):
     """aiohttp's protocol for one connection, which every event is forwarded to, with the deadlines around it."""
 
-    def __init__(self, http: asyncio.Protocol, deadlines: ClientDeadlines):
+    def __init__(self, http: asyncio.Protocol, deadlines: ClientDeadlines, cap: _Cap):
         self._http = http
         self._deadlines = deadlines
+        self._cap = cap
         self._transport: asyncio.Transport | None = None
         self._awaiting_request: asyncio.TimerHandle | None = None
         self._awaiting_reader: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._cap.limit is not None and self._cap.open >= self._cap.limit:
+            self._cap.refused += 1
+            if self._cap.refused in (1, 1000):
+                logger.warning("refusing connections past %d open on one listener (%d so far)", self._cap.limit,
+                               self._cap.refused)
+            transport.abort()
+            return
+        self._cap.open += 1
         self._transport = transport
         self._deadlines._connections[transport] = self
         self._http.connection_made(transport)
         self._awaiting_request = self._deadline("sent no complete request")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._transport is None:
+            return  # refused at the cap: aiohttp never saw it
+        self._cap.open -= 1
         self._cancel()
         self._deadlines._connections.pop(self._transport, None)
         self._transport = None
         self._http.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        self._http.data_received(data)
+        if self._transport is not None:
+            self._http.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._http.eof_received()
+        return self._http.eof_received() if self._transport is not None else None
 
     def pause_writing(self) -> None:
         self._http.pause_writing()

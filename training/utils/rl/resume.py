@@ -6,8 +6,10 @@ recipes check a checkpoint's record before anything of it is loaded (`startup.re
 
 - refused, naming the field with its old and new value: the recipe, `completions_per_prompt`
   (G), `prompt_groups_per_step` (P), `seed` (the shuffle order) and the dataset (its row count,
-  a hash of its row ids, and a hash of the content of the rows that have no `id`, whose ids are
-  only their places): the cursor would skip rows or train some twice; and the model
+  a hash of its row ids, a hash of the content of the rows that have no `id`, whose ids are
+  only their places, and one of the content of the rows that have one, so rows rewritten under
+  their ids, by an edit or an adversary, are refused too: the checkpoint's signature, `run_key.py`, covers the
+  record): the cursor would skip rows or train some twice; and the model
   (`model_architecture`, `model_weights`, see `model_identity`): its weights and optimizer state
   belong to the model they trained;
 - accepted: `max_head_offpolicy_versions` (O only bounds how far admission runs ahead of the
@@ -34,7 +36,7 @@ from training.utils.rl.dataset import row_id_of
 log = logging.getLogger("training")
 
 FIXED_DATA = ("recipe", "completions_per_prompt", "prompt_groups_per_step", "seed", "dataset_rows",
-              "dataset_row_ids", "dataset_content")
+              "dataset_row_ids", "dataset_content", "dataset_digest")
 FIXED_MODEL = ("model_architecture", "model_weights")
 ADJUSTABLE = ("max_head_offpolicy_versions", "epochs", "model")
 WEIGHT_SAMPLES = 64
@@ -52,6 +54,7 @@ def run_settings(cfg: RLConfig, rows: list[dict[str, Any]], recipe: str, model: 
         "dataset_rows": len(rows),
         "dataset_row_ids": _digest(row_ids),
         "dataset_content": _content_digest(rows),
+        "dataset_digest": _named_digest(rows),
         "max_head_offpolicy_versions": getattr(cfg, "max_head_offpolicy_versions", None),
         "epochs": cfg.epochs,
         **model,
@@ -67,6 +70,13 @@ def _content_digest(rows: list[dict[str, Any]]) -> str | None:
     would pass for them); None when every row has one."""
     unnamed = [json.dumps(row, sort_keys=True, default=str) for row in rows if "id" not in row]
     return _digest("\n".join(unnamed)) if unnamed else None
+
+
+def _named_digest(rows: list[dict[str, Any]]) -> str | None:
+    """A hash of the content of the rows with an `id`, in order: the same ids over rewritten rows (answers changed
+    under them) are another dataset; None when no row has one (`_content_digest` covers those)."""
+    named = [json.dumps(row, sort_keys=True, default=str) for row in rows if "id" in row]
+    return _digest("\n".join(named)) if named else None
 
 
 def model_identity(source: str, model: torch.nn.Module) -> dict[str, str]:
@@ -123,6 +133,8 @@ def check_resumable(progress: dict[str, Any], current: dict[str, Any]) -> None:
 
 def _advice(changed: list[str], recorded_model: str | None) -> str:
     reasons = []
+    if "dataset_digest" in changed:
+        reasons.append("the dataset's rows changed since it was written (an edit, or tampering)")
     if any(name in FIXED_DATA for name in changed):
         reasons.append("its data cursor and sample counts only hold under the settings that wrote it")
     if any(name in FIXED_MODEL for name in changed):

@@ -18,14 +18,16 @@ from training.utils import openmp
 from training.utils.checkpoint import load_latest_verified, load_weights
 from training.utils.config import DeploymentConfig, RLConfig
 from training.utils.deploy import Deployment, engine_runs_over_casts, start_deployment
-from training.utils.errors import ConfigError
+from training.utils.errors import ConfigError, DeploymentError
 from training.utils.lora import load_adapter
 from training.utils.model import default_device, load_model_and_tokenizer
 from training.utils.rl.agent import AgentShim
 from training.utils.rl.dataset import as_rows, read_rows_file
 from training.utils.rl.resume import check_resumable, model_identity
 from training.utils.rl.rollout.types import RolloutSetup, SequenceLimit, sequence_limit
+from training.utils.sandbox import AgentSandbox, choose_sandbox, protect_trainer
 from training.utils.trainer import Reference, Trainer, weight_dtype
+from training.utils.trainer.batching import Datum
 
 log = logging.getLogger("training")
 
@@ -84,11 +86,44 @@ async def deploy_policy(cfg: RLConfig, deployment_cfg: DeploymentConfig, worker,
                                   model_name=cfg.model, sampling_timeout_s=cfg.sampling.timeout_s)
 
 
+SERVED_PROBE_TOKENS = 16
+"""Tokens the deployment samples after a directory sync, to check that it serves the weights just pushed."""
+SERVED_GAP_LIMIT = 0.1
+"""Mean |μ − π| in nats over the probe's tokens past which the deployment is not serving the pushed weights: the
+run-health threshold of a sampler/trainer mismatch on fresh tokens (a matched engine stays at a few hundredths)."""
+
+
 async def sync_deployment(deployment: Deployment, worker, policy: Trainer, version: int) -> dict[str, float]:
     """Push the policy's weights to `deployment` as `version`: the export its sync takes (only the LoRA adapter, when
-    that is all it sends), made on the trainer's `worker`."""
+    that is all it sends), made on the trainer's `worker`. A sync through files (`weight_sync="disk"`) is then
+    checked (`check_served_weights`): files can be replaced between the write and the server's read."""
     export = partial(policy.state_dict_for_inference, adapter_only=deployment.weight_sync.adapter_only)
-    return await deployment.weight_sync.sync(await worker.run(export), version)
+    timings = await deployment.weight_sync.sync(await worker.run(export), version)
+    if getattr(deployment.weight_sync, "directory", None) is not None:
+        await check_served_weights(deployment, worker, policy, version)
+    return timings
+
+
+async def check_served_weights(deployment: Deployment, worker, policy: Trainer, version: int) -> float:
+    """The mean gap between the deployment's and the trainer's logprobs of `SERVED_PROBE_TOKENS` tokens it samples
+    from a fixed prompt; a `DeploymentError` past `SERVED_GAP_LIMIT`: it does not serve the weights just pushed."""
+    vocab = policy.model.config.get_text_config().vocab_size
+    prompt = [(7 + 31 * i) % vocab for i in range(8)]
+    completion = (await deployment.sampler.sample(prompt, max_tokens=SERVED_PROBE_TOKENS, temperature=1.0,
+                                                  seed=version))[0]
+    tokens = prompt + list(completion.output_ids)
+    datum = Datum(input_ids=tokens[:-1], target_ids=tokens[1:], weights=[0.0] * (len(tokens) - 1),
+                  behaviour_logprobs=[0.0] * (len(tokens) - 1), advantage=0.0, prompt_len=len(prompt))
+    trainer = (await worker.run(policy.logprobs, [datum]))[0][len(prompt) - 1:]
+    gap = float(sum(abs(float(t) - s) for t, s in zip(trainer.tolist(), completion.logprobs))
+                / max(len(completion.logprobs), 1))
+    if gap > SERVED_GAP_LIMIT:
+        raise DeploymentError(
+            f"after the weight sync to version {version}, the deployment's logprobs differ from the trainer's by "
+            f"{gap:.3f} nats per token on a probe (at most {SERVED_GAP_LIMIT} on the same weights): it does not serve "
+            f"the weights just written to {deployment.weight_sync.directory}; something replaced or changed them "
+            "between the write and the load, or the engine's numerics differ from the trainer's")
+    return gap
 
 
 def trainable_sequence_limit(cfg: RLConfig, policy: Trainer, deployment: Deployment) -> SequenceLimit | None:
@@ -122,8 +157,18 @@ async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment) -> 
     return shim
 
 
+def run_paths(cfg: RLConfig, deployment: Deployment) -> list[str]:
+    """What an agent must not see or touch: the run's directory (ledger, checkpoints, the run key), the checkpoint
+    it started from, its dataset file and the deployment's weight directory."""
+    paths = [cfg.log_path, cfg.init_from_checkpoint, cfg.warm_start_from_checkpoint, cfg.warm_start_from_adapter,
+             cfg.dataset_path, cfg.deployment.weight_dir, getattr(deployment.weight_sync, "directory", None),
+             deployment.owned_weight_dir]
+    return [str(p) for p in paths if p is not None]
+
+
 def make_rollout_setup(cfg: RLConfig, tokenizer, deployment: Deployment, extras,
-                       shim: AgentShim | None = None) -> RolloutSetup:
+                       shim: AgentShim | None = None, sandbox: AgentSandbox | None = None) -> RolloutSetup:
+    sandbox = (sandbox or AgentSandbox("none")).hiding(run_paths(cfg, deployment))
     return RolloutSetup(
         tokenizer=tokenizer,
         sampler=deployment.sampler,
@@ -134,6 +179,7 @@ def make_rollout_setup(cfg: RLConfig, tokenizer, deployment: Deployment, extras,
         completions_per_prompt=cfg.completions_per_prompt,
         extras=dict(extras or {}),
         shim=shim,
+        sandbox=sandbox,
     )
 
 
@@ -179,13 +225,15 @@ async def serve_policy(cfg: RLConfig, rollout_extras: dict[str, Any] | None = No
         async with serve_policy(cfg) as setup:
             rollout_fn = make_rollout_fn(setup)
     """
+    protect_trainer()
+    sandbox = choose_sandbox(cfg.agent_sandbox)  # `required` with none available stops before the model loads
     model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weight_dtype(cfg.trainer, default_device()))
     deployment = await start_deployment(model, tokenizer, cfg.deployment, model_name=cfg.model,
                                         sampling_timeout_s=cfg.sampling.timeout_s)
     shim = None
     try:
         shim = await start_agent_shim(cfg, tokenizer, deployment)
-        yield make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim)
+        yield make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim, sandbox=sandbox)
     finally:
         try:
             if shim is not None:

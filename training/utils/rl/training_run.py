@@ -73,6 +73,7 @@ from training.utils.rl.telemetry import EngineCounters, Utilisation
 from training.utils.rl.train_step import KLCoefficient
 from training.utils.rl.worker import TrainerWorker
 from training.utils.run_lock import run_lock
+from training.utils.sandbox import choose_sandbox, protect_trainer
 from training.utils.trainer import Reference, Trainer
 
 log = logging.getLogger("training")
@@ -335,6 +336,8 @@ def run_abandoning_stragglers(main: Coroutine[Any, Any, T], *, grace_s: float | 
 async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], rollout_fn_factory, *,
                      evaluation_fn, rollout_extras, **loop_kwargs) -> dict[str, Any]:
     freeze_objects_alive_now()  # what imports left stays out of every later collection (training/utils/collector.py)
+    protect_trainer()  # no process of this user reads this one's memory (the deployment's secret, session keys)
+    sandbox = choose_sandbox(cfg.agent_sandbox)  # `required` with none available stops before the model loads
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     total_steps = cfg.planned_steps(len(rows))
@@ -363,7 +366,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         if start_step or deployment.syncs_at_start:
             await sync_deployment(deployment, worker, policy, start_step)
         shim = await start_agent_shim(cfg, tokenizer, deployment)  # None unless cfg.agent_shim.enabled
-        setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim)
+        setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim, sandbox=sandbox)
         run = TrainingRun(cfg=cfg, rows=rows, rng=rng, total_steps=total_steps, progress=progress, settings=settings,
                           policy=policy, reference=reference, kl=kl, tokenizer=tokenizer, worker=worker,
                           deployment=deployment, logger=logger, setup=setup, rollout_fn=rollout_fn_factory(setup),

@@ -3,8 +3,9 @@
 Per draw:
 1. open an agent-shim session: its URL is the agent's `ANTHROPIC_BASE_URL`, its key the
    agent's `ANTHROPIC_API_KEY`;
-2. run `agent.py` as a subprocess in a fresh temporary directory, killed after
-   `agent_timeout_s`;
+2. run `agent.py` in the run's sandbox (`setup.sandbox`: its own pid, mount and network namespaces, the
+   temporary directory it writes its answer in the one place it can write), killed with everything it started
+   after `agent_timeout_s`;
 3. grade what it left there (`reward.py`);
 4. finish the session: the shim turns every model call the agent made into the segments of
    one `RolloutRun` carrying that reward (None when nothing trainable was recorded, which
@@ -27,14 +28,11 @@ start of the model's last reply; None writes nothing).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import re
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +43,6 @@ from training.examples.rl.blackbox_agent.reward import answer_file_reward
 AGENT = Path(__file__).with_name("agent.py")
 STDERR_TAIL_CHARS = 2000
 LAST_REPLY_CHARS = 300
-_KILL_WAIT_S = 10.0
 _AGENT_SUMMARY = re.compile(r"agent: (\d+) model call\(s\), (\d+) tool call\(s\), (\d+) failed")
 # The agent's own credentials must not reach it: it talks to the shim only.
 # What the agent inherits from this process: enough to run Python and a shell, no credentials.
@@ -107,43 +104,14 @@ def agent_env(base_url: str, api_key: str) -> dict[str, str]:
     return env | {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": api_key}
 
 
-async def run_agent(task: str, workdir: str, env: dict[str, str], *, max_turns: int, timeout_s: float,
-                    stream: bool = False, check: bool = True) -> AgentResult:
-    """Run `agent.py` on `task` in `workdir`; kill it after `timeout_s` (and if this call is cancelled)."""
-    start = time.monotonic()
+async def run_agent(sandbox, task: str, workdir: str, env: dict[str, str], *, max_turns: int, timeout_s: float,
+                    session=None, stream: bool = False, check: bool = True) -> AgentResult:
+    """Run `agent.py` on `task` in `workdir` inside `sandbox` (`setup.sandbox`), reaching the shim through
+    `session`; it and everything it started are killed after `timeout_s`, when it exits, and if this is cancelled."""
     flags = ["--max-turns", str(max_turns)] + (["--stream"] if stream else []) + ([] if check else ["--no-check"])
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(AGENT), "--workdir", workdir, *flags, "--", task,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=env, cwd=workdir,
-    )
-    # Read both pipes while it runs: a full pipe would block the agent; and what it wrote before a
-    # timeout kill is still collected.
-    reading = asyncio.gather(proc.stdout.read(), proc.stderr.read())
-    timed_out = False
-    try:
-        # `asyncio.timeout`, not `wait_for`, which on Python 3.11 can lose a cancel (CPython gh-86296).
-        try:
-            async with asyncio.timeout(timeout_s):
-                await proc.wait()
-        except TimeoutError:
-            timed_out = True
-            _kill(proc)
-            async with asyncio.timeout(_KILL_WAIT_S):
-                await proc.wait()
-        async with asyncio.timeout(_KILL_WAIT_S):
-            stdout, stderr = await reading
-    finally:
-        if proc.returncode is None:  # cancelled, or not reaped in time: never leave an agent running
-            _kill(proc)
-        reading.cancel()
-    return AgentResult(proc.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace"),
-                       timed_out, time.monotonic() - start)
-
-
-def _kill(proc: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
+    done = await sandbox.run([sys.executable, str(AGENT), "--workdir", workdir, *flags, "--", task], env=env,
+                             workdir=workdir, timeout_s=timeout_s, session=session)
+    return AgentResult(done.returncode, done.stdout, done.stderr, done.timed_out, done.seconds)
 
 
 def make_rollout_fn(setup: RolloutSetup):
@@ -168,8 +136,9 @@ def make_rollout_fn(setup: RolloutSetup):
                                   "evaluation": evaluation, "outcome": "interrupted"}
         try:
             with tempfile.TemporaryDirectory(prefix="blackbox-agent-") as workdir:
-                agent = await run_agent(row["task"], workdir, agent_env(session.base_url, session.key),
-                                        max_turns=max_turns, timeout_s=timeout_s, stream=stream, check=check)
+                agent = await run_agent(setup.sandbox, row["task"], workdir, agent_env(session.base_url, session.key),
+                                        max_turns=max_turns, timeout_s=timeout_s, session=session, stream=stream,
+                                        check=check)
                 record |= {"agent_seconds": round(agent.seconds, 3), "exit_code": agent.returncode} | agent.summary()
                 crashed = agent.crash_reason(session.num_turns)
                 if crashed is not None:

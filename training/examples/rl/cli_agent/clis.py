@@ -91,8 +91,9 @@ def claude_code(executable: str, run: Run) -> Launch:
     }
     if run.context_tokens >= CLAUDE_CODE_COMPACT_WINDOW_FLOOR:
         env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(run.context_tokens)  # it assumes 200k otherwise
-    if os.geteuid() == 0:
-        env["IS_SANDBOX"] = "1"  # as root, Claude Code refuses bypassPermissions unless told it is sandboxed
+    # As root, Claude Code refuses bypassPermissions unless told it is sandboxed; in the kit's sandbox it may be root
+    # whoever the trainer runs as (a user namespace maps the user to root), and it is sandboxed.
+    env["IS_SANDBOX"] = "1"
     # -p: one task from stdin, then exit; bypassPermissions: no tool call waits for an approval nobody gives.
     return Launch([executable, "-p", "--permission-mode", "bypassPermissions"], env)
 

@@ -4,8 +4,9 @@ Per draw:
 1. open an agent-shim session;
 2. make a scratch directory holding the CLI's HOME (its settings from `clis.py`, pointed at the session) and its
    working directory, empty;
-3. run the CLI on the row's task (stdin) in its own process group, killed after `agent_timeout_s`, and every
-   process it left behind killed when it exits;
+3. run the CLI on the row's task (stdin) in the run's sandbox (`setup.sandbox`: its own pid, mount and network
+   namespaces; it writes only its HOME and working directory and reaches only its session), killed after
+   `agent_timeout_s`, and every process it left behind killed when it exits;
 4. grade what it left in its working directory (`task.reward`), delete the scratch directory, and finish the
    session: the shim turns every model call the CLI made (its main loop, its sub-agents, its compactions) into
    the segments of one `RolloutRun` carrying that reward.
@@ -23,13 +24,10 @@ seconds, the shim's counters, the start of the last reply; None writes nothing).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
-import signal
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,51 +36,18 @@ from training.examples.rl.blackbox_agent.rollout import AgentResult, append_json
 from training.examples.rl.cli_agent import task
 from training.examples.rl.cli_agent.clis import CLIS, AgentCLI, Launch, Run
 
-OUTPUT_KEPT_BYTES = 64 * 1024
-"""Of each of a CLI's stdout and stderr, the last this many bytes are read: a run cannot fill our memory."""
-_KILL_WAIT_S = 10.0
 logger = logging.getLogger(__name__)
 
 
-async def run_cli(launch: Launch, task_text: str, workdir: str, output_dir: str, timeout_s: float) -> AgentResult:
-    """Run `launch` in `workdir` with `task_text` on stdin, in a process group of its own; kill the group after
-    `timeout_s`, when the CLI exits (a shell or server it started must not outlive it) and if this is cancelled.
-
-    Its stdin, stdout and stderr are files in `output_dir`, not pipes: a process it left behind may hold them
-    open, which would keep a pipe reader (and asyncio's wait for the exit) waiting."""
-    out = Path(output_dir)
-    (out / "stdin").write_text(task_text)
-    start = time.monotonic()
-    with open(out / "stdin", "rb") as stdin, open(out / "stdout", "wb") as stdout, open(out / "stderr", "wb") as stderr:
-        proc = await asyncio.create_subprocess_exec(*launch.argv, stdin=stdin, stdout=stdout, stderr=stderr,
-                                                    env=launch.env, cwd=workdir, start_new_session=True)
-    timed_out = False
-    try:
-        try:
-            async with asyncio.timeout(timeout_s):  # not wait_for, which on Python 3.11 can lose a cancel
-                await proc.wait()
-        except TimeoutError:
-            timed_out = True
-            _kill_group(proc)
-            with contextlib.suppress(TimeoutError):  # not reaped in time: returncode None ("could not be reaped")
-                async with asyncio.timeout(_KILL_WAIT_S):
-                    await proc.wait()
-    finally:
-        _kill_group(proc)
-    return AgentResult(proc.returncode, _tail(out / "stdout"), _tail(out / "stderr"), timed_out,
-                       time.monotonic() - start)
-
-
-def _tail(path: Path) -> str:
-    """The last `OUTPUT_KEPT_BYTES` of a file."""
-    with open(path, "rb") as f:
-        f.seek(max(0, f.seek(0, os.SEEK_END) - OUTPUT_KEPT_BYTES))
-        return f.read().decode(errors="replace")
-
-
-def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # the group the CLI leads (start_new_session): it and its children
+async def run_cli(sandbox, launch: Launch, task_text: str, workdir: str, home: str, timeout_s: float,
+                  session=None) -> AgentResult:
+    """Run `launch` in `workdir` with `task_text` on stdin, inside `sandbox` (`setup.sandbox`), where it writes
+    only `workdir` and its scratch `home` and reaches the shim through `session`; it and every process it started
+    are killed after `timeout_s`, when it exits (a shell or server it started must not outlive it) and if this is
+    cancelled."""
+    done = await sandbox.run(launch.argv, env=launch.env, workdir=workdir, writable=[home], timeout_s=timeout_s,
+                             session=session, stdin=task_text.encode())
+    return AgentResult(done.returncode, done.stdout, done.stderr, done.timed_out, done.seconds)
 
 
 def write_files(home: Path, files: dict[str, str]) -> None:
@@ -134,7 +99,7 @@ def make_rollout_fn(setup: RolloutSetup):
                 base_url=session.base_url, key=session.key, home=str(home), model_name=setup.model_name,
                 context_tokens=context, max_tokens=setup.sample_kwargs["max_tokens"], title=session.run_id))
             write_files(home, launch.files)
-            agent = await run_cli(launch, row["task"], str(workdir), scratch, timeout_s)
+            agent = await run_cli(setup.sandbox, launch, row["task"], str(workdir), str(home), timeout_s, session)
             record |= {"agent_seconds": round(agent.seconds, 3), "exit_code": agent.returncode}
             crashed = agent.crash_reason(session.num_turns)
             if crashed is not None:

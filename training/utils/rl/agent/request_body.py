@@ -7,7 +7,13 @@ body (a model call, `count_tokens`) goes the same way:
 1. take the body's share of `max_body_bytes_in_flight` (`BodyBudget`), which it holds until the
    request is answered, so the bodies held across all requests are bounded; then read the body
    within `client_timeout_s`, refusing one over `max_body_bytes` with a 413 (from
-   Content-Length, before reading, when the client sends it);
+   Content-Length, before reading, when the client sends it); then count its JSON objects and
+   arrays from above (its braces and brackets, text included) and refuse one over
+   `max_request_items` (413), and take what parsing it will cost (`request_cost`) from
+   `max_request_memory_in_flight`, process-wide and from the session's half of it, held until the
+   request is answered: what a request costs grows with its items, not its bytes, and 240,000
+   one-letter text blocks fit in 8 MB. A large request's memory is handed back to the system
+   when it is answered (`memory.give_back_memory`);
 2. turn its bytes into text, parse that as plain JSON and have the wire's codec decode it
    (`TurnCodec.parse`), in one of `PARSE_THREADS` threads; the raw bytes are freed once read as
    text and the parsed body once decoded, so at most two copies of a large body exist at any time;
@@ -48,6 +54,7 @@ from aiohttp import web
 
 from training.utils.config import AgentShimConfig
 from training.utils.deploy.connections import BodyTooLargeError, read_body
+from training.utils.memory import give_back_memory
 from training.utils.rl.agent import fields
 from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError
 
@@ -82,6 +89,17 @@ its size in memory and time. An agent's requests hold thousands; commas in their
 BODIES_IN_FLIGHT = 8
 """`max_body_bytes_in_flight`, unset, is this many bodies of the largest size: room for every parse thread's body
 and as many more waiting, while many agents' ordinary bodies (far below the limit) never wait."""
+
+ITEM_BYTES = 2048
+"""What one JSON object or array of a request costs once parsed, decoded into a `ChatRequest` and rendered (its dict,
+its fields' strings, their copies), from above: the 240,000-block body measured at under 1 KiB an item."""
+
+BODY_COPIES = 4
+"""Copies of a body's bytes a request holds at its most (the raw bytes, the decoded text, the parsed strings, the
+rendered prompt)."""
+
+GIVE_BACK_FROM_BYTES = 32 * 2**20
+"""A request estimated to cost this much or more hands the freed memory back to the system once it is answered."""
 
 _UTF8_CHUNK = 1 << 20
 _DECODE_SLICE = 1 << 20
@@ -290,6 +308,17 @@ class BodyBudget:
                 granted.set_result(None)
 
 
+def request_items(raw: bytearray) -> int:
+    """JSON objects and arrays the body can hold: its braces and brackets (those inside strings too), counted at
+    C speed without parsing."""
+    return raw.count(b"{") + raw.count(b"[")
+
+
+def request_cost(size: int, items: int) -> int:
+    """Bytes a request of `size` body bytes and `items` objects and arrays may take in memory while it is served."""
+    return BODY_COPIES * size + ITEM_BYTES * items
+
+
 class RequestWorkers:
     """The threads a shim's app parses and renders in, and the body and context limits they enforce.
 
@@ -306,6 +335,11 @@ class RequestWorkers:
         self.budget = BodyBudget(max(cfg.max_body_bytes_in_flight or BODIES_IN_FLIGHT * self.max_body_bytes,
                                      self.max_body_bytes))
         """`max_body_bytes_in_flight` (never below one body of the largest size)."""
+        self.max_items = cfg.max_request_items
+        self.work = BodyBudget(cfg.max_request_memory_in_flight)
+        """What parsed requests may cost at once, process-wide (`max_request_memory_in_flight`)."""
+        self._session_work: dict[str, BodyBudget] = {}
+        """Each session's half of it, while it has a request in flight."""
         self._limit_origin = "" if cfg.max_body_bytes is not None else (
             f", unset: derived from the context of {self.context_tokens} tokens" if self.context_tokens
             else ", unset and no context length known")
@@ -313,10 +347,10 @@ class RequestWorkers:
         self._renderers = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="shim-render")
 
     @contextlib.asynccontextmanager
-    async def body(self, request: web.Request) -> AsyncIterator[bytearray]:
-        """The raw body, its share of the budget held until the block ends. A WireError 413 past `max_body_bytes`,
-        408 when it has not all arrived within `client_timeout_s`, 503 when the bodies in flight leave it no room
-        within `client_timeout_s`."""
+    async def body(self, request: web.Request, session_key: str) -> AsyncIterator[bytearray]:
+        """The raw body, its share of the budget held until the block ends. A WireError 413 past `max_body_bytes`
+        or `max_items`, 408 when it has not all arrived within `client_timeout_s`, 503 when the bodies in flight
+        leave it no room within `client_timeout_s`; then `cost`'s hold on what parsing it may take."""
         size = request.content_length
         if size is not None and size > self.max_body_bytes:
             raise self._too_large(f"is {size} bytes")
@@ -336,9 +370,49 @@ class RequestWorkers:
             except TimeoutError:
                 raise WireError(f"the request body did not arrive within {self.client_timeout:g}s "
                                 "(agent_shim.client_timeout_s)", status=408) from None
-            yield raw
+            async with self._cost(raw, session_key):
+                yield raw
         finally:
             self.budget.give(share)
+
+    @contextlib.asynccontextmanager
+    async def _cost(self, raw: bytearray, session_key: str) -> AsyncIterator[None]:
+        """Hold what serving `raw` may cost, from the process's budget and the session's half; refuse it first when
+        it holds too many items or could never fit."""
+        items = request_items(raw)
+        if items > self.max_items:
+            raw.clear()
+            raise WireError(f"the request holds up to {items} JSON objects and arrays (messages, content blocks, "
+                            f"tools; its braces and brackets), over the limit of {self.max_items} "
+                            "(agent_shim.max_request_items)", status=413)
+        cost = request_cost(len(raw), items)
+        session_budget = self._session_work.setdefault(session_key, BodyBudget(self.work.limit // 2))
+        if cost > session_budget.limit:
+            raw.clear()
+            raise WireError(f"serving the request could take {cost} bytes, over one session's share of "
+                            f"{session_budget.limit} (agent_shim.max_request_memory_in_flight / 2)", status=413)
+        taken = []
+        try:
+            async with asyncio.timeout(self.client_timeout):
+                for budget in (session_budget, self.work):
+                    await budget.take(cost)
+                    taken.append(budget)
+        except TimeoutError:
+            for budget in taken:
+                budget.give(cost)
+            raw.clear()
+            raise WireError(f"requests in flight hold {self.work.held} bytes of the shim's memory budget and left "
+                            f"no room for this one's {cost} within {self.client_timeout:g}s "
+                            f"(agent_shim.max_request_memory_in_flight={self.work.limit}); retry", status=503) from None
+        try:
+            yield
+        finally:
+            for budget in taken:
+                budget.give(cost)
+            if not session_budget.held and not session_budget._waiting:
+                self._session_work.pop(session_key, None)
+            if cost >= GIVE_BACK_FROM_BYTES:
+                await asyncio.get_running_loop().run_in_executor(self._parsers, give_back_memory)
 
     async def count_tokens(self, chat_format: ChatFormat, chat: ChatRequest) -> int:
         """`count_prompt_tokens` in a render thread."""

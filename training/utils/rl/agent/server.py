@@ -23,8 +23,13 @@ sessions by `max_open_sessions` and `session_idle_timeout_s` (`sessions.py`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -108,6 +113,9 @@ class AgentShim:
         self._runner: web.AppRunner | None = None
         self._deadlines = ClientDeadlines(cfg.client_timeout_s)
         self._sessions = Sessions(cfg.session_idle_timeout_s, cfg.max_open_sessions)
+        self._listeners: dict[str, tuple[asyncio.AbstractServer, str]] = {}
+        """The Unix sockets of bound sessions (`bind`), by session key."""
+        self._socket_dir: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -126,7 +134,7 @@ class AgentShim:
         runner = web.AppRunner(self._make_app(), access_log=None, shutdown_timeout=5.0)
         try:
             await runner.setup()
-            base_url = await self._deadlines.serve(runner, self.cfg.host, self.cfg.port)
+            base_url = await self._deadlines.serve(runner, self.cfg.host, self.cfg.port, self.cfg.max_connections)
         except BaseException:
             await runner.cleanup()
             raise
@@ -136,6 +144,11 @@ class AgentShim:
     async def close(self) -> None:
         """Stop serving; sessions still open record nothing more. Close it before the deployment."""
         self._sessions.close_all()
+        for key in list(self._listeners):
+            self._stop_listener(key)
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
         self._deadlines.stop_listening()
         runner, self._runner, self.base_url = self._runner, None, None
         if runner is not None:
@@ -157,7 +170,34 @@ class AgentShim:
             tokenizer=self.tokenizer,
             cfg=self.cfg,
             max_tokens=self.sample_kwargs["max_tokens"],
+            binder=self,
         ))
+
+    async def bind(self, session: ShimSession) -> str:
+        """A Unix socket of `session`'s own (`ShimSession.bind`), at most `cfg.max_connections_per_session`
+        connections open on it; its path."""
+        if self._runner is None:
+            raise RuntimeError("the agent shim is not running; await shim.start() before binding a session")
+        if session.key not in self._listeners:  # first bound, or bound again after `unbind`: a new socket
+            if self._socket_dir is None:
+                self._socket_dir = tempfile.mkdtemp(prefix="agent-shim-")  # 0700: no other user connects
+            path = os.path.join(self._socket_dir, secrets.token_hex(8) + ".sock")
+            server = await self._deadlines.serve_unix(self._runner, path, self.cfg.max_connections_per_session)
+            self._listeners[session.key] = server, path
+            session.socket = path
+        return session.socket
+
+    async def unbind(self, session: ShimSession) -> None:
+        """Stop listening on `session`'s socket; its key is good nowhere else."""
+        self._stop_listener(session.key)
+
+    def _stop_listener(self, key: str) -> None:
+        listener = self._listeners.pop(key, None)
+        if listener is not None:
+            server, path = listener
+            server.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     async def finish_session(
         self, key: str, reward: float | None = None, timeout: float = 30.0
@@ -170,11 +210,15 @@ class AgentShim:
         segments (chains the session left "branch", the current leaf "final"); with
         it, one `RolloutRun` of them all sharing `reward` (None when nothing is trainable).
         """
-        return await self._sessions.finish(key, reward, timeout)
+        try:
+            return await self._sessions.finish(key, reward, timeout)
+        finally:
+            self._stop_listener(key)
 
     def discard_session(self, key: str) -> None:
         """Drop a session without materializing it (e.g. its rollout was cancelled); unknown keys are ignored."""
         self._sessions.discard(key)
+        self._stop_listener(key)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -194,7 +238,8 @@ class AgentShim:
         `fields.MAX_DEPTH`, a lone surrogate anywhere, or a field `parse` refuses), or a `ContextOverflowError`
         when the prompt's length alone cannot fit the context (it is then never tokenized)."""
         workers = request.app[REQUEST_WORKERS]
-        async with workers.body(request) as raw:  # bounded as a model call's body is, rendered only if it can fit
+        session = self._sessions.for_request(request)
+        async with workers.body(request, session.key) as raw:  # bounded as a model call's is, rendered if it fits
             return await workers.count_tokens(self.chat_format, await workers.parse_turn(raw, parse))
 
     async def model_call(self, request: web.Request, codec: TurnCodec) -> web.StreamResponse:
@@ -203,7 +248,7 @@ class AgentShim:
         session = self._sessions.for_request(request)
         workers = request.app[REQUEST_WORKERS]
         with self._sessions.in_use(session):
-            async with workers.body(request) as raw:
+            async with workers.body(request, session.key) as raw:
                 # Decoded before queueing, in a worker thread: a bad request waits for nothing and changes nothing,
                 # and a prompt whose text alone cannot fit the context is refused before anything is rendered.
                 try:

@@ -161,7 +161,7 @@ class ShimSession:
     """
 
     def __init__(self, key: str, base_url: str, affinity: str, run_id: str | None, *, chat_format: ChatFormat,
-                 tokenizer: Any, cfg: AgentShimConfig, max_tokens: int):
+                 tokenizer: Any, cfg: AgentShimConfig, max_tokens: int, binder: Any = None):
         self.key = key
         self.base_url = base_url
         """Shim URL without `/v1` (Anthropic clients); OpenAI clients use `base_url + "/v1"`."""
@@ -169,6 +169,9 @@ class ShimSession:
         self.run_id = run_id
         self.closed = False
         """Set when the session is finished or discarded: requests still queued get 401."""
+        self.socket: str | None = None
+        """The Unix socket the session is bound to (`bind`): its key is good there alone, and nowhere once unbound."""
+        self._binder = binder
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.kinds: list[str] = []
         """What each recorded turn was, in order: "new", "append", "branch" or "compaction"."""
@@ -194,6 +197,15 @@ class ShimSession:
 
     def __repr__(self) -> str:
         return f"ShimSession(key={self.key!r}, run_id={self.run_id!r}, turns={self.counters['turns']})"
+
+    async def bind(self) -> str:
+        """Bind the session to a Unix socket of its own, the way a sandboxed agent reaches the shim: from then on its
+        key is refused on every other connection, and that socket takes no other key. Returns the socket's path."""
+        return await self._binder.bind(self)
+
+    async def unbind(self) -> None:
+        """Stop listening on the session's socket; its key stays good nowhere else."""
+        await self._binder.unbind(self)
 
     @property
     def num_turns(self) -> int:

@@ -2,7 +2,9 @@
 
 A session key is the agent's API key: it is read from `Authorization: Bearer <key>`, then
 `x-api-key`, then `x-multi-turn-session-id`. An unknown, closed or expired session is a 401, and
-sessions never merge.
+sessions never merge. A session bound to a Unix socket (`ShimSession.bind`, how a sandboxed agent
+reaches the shim) is found only by requests on that socket, and the socket finds no other session: a key
+another agent lifted is a 401 wherever it is presented.
 
 A rollout that never finishes nor discards its sessions would grow the shim without bound, so
 sessions are bounded twice: at most `max_open_sessions` are open at once (`open_session` beyond
@@ -87,8 +89,12 @@ class Sessions:
             raise WireError("no session key: send it as 'Authorization: Bearer <key>', 'x-api-key' or "
                             "'x-multi-turn-session-id'", status=401)
         self.expire_idle()
+        listener = _unix_listener(request)
         for key in keys:
             session = self._open.get(key)
+            if session is not None and session.socket != listener:
+                raise WireError("this session key is not good on this connection: it belongs to another agent",
+                                status=401)
             if session is not None and not session.closed:
                 if key in self._idle_since:
                     self._idle_since[key] = time.monotonic()
@@ -198,6 +204,13 @@ class Sessions:
                 self._expired += 1
             else:
                 self._finished += 1
+
+
+def _unix_listener(request: web.Request) -> str | None:
+    """The Unix socket the request arrived on (a bound session's), None for TCP."""
+    transport = request.transport
+    name = transport.get_extra_info("sockname") if transport is not None else None
+    return name if isinstance(name, str) else None
 
 
 def _presented_keys(request: web.Request) -> list[str]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from training.utils.errors import RolloutContractError
 from training.utils.rl.advantages import MAX_ABS_REWARD
+from training.utils.sandbox import AgentSandbox, default_sandbox
 from training.utils.trainer.batching import Datum
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -88,6 +89,11 @@ class RolloutSetup:
     """Free-form user values from `main(..., rollout_extras=...)`."""
     shim: Any = None
     """Handle to open agent-shim sessions, when the shim is enabled."""
+    sandbox: AgentSandbox = field(default_factory=default_sandbox)
+    """Starts an agent process where it cannot reach the trainer, other agents or the run's files:
+    `await setup.sandbox.run(argv, env=..., workdir=..., timeout_s=..., session=...)` (docs/agent-shim.md:
+    Security); the recipes' is chosen by `agent_sandbox`, hiding the run's directories; built by hand, the machine's
+    best (`agent_sandbox="auto"`)."""
     inference_api_key: str | None = field(default=None, repr=False)
     """Bearer token `inference_base_url` requires (the embedded deployment's per-run secret), for an
     OpenAI client of the rollout's own; never hand it to an agent: agents go through `shim`."""
