@@ -14,8 +14,7 @@ from training import restart_with_allocator
 if __name__ == "__main__":
     restart_with_allocator()  # first, before torch loads: the run's memory through mimalloc (docs/allocator.md)
 
-from training import SamplingConfig, TrainerConfig
-from training.environments import from_reasoning_gym
+from training import SamplingConfig, TrainerConfig, from_reasoning_gym
 from training.recipes.async_rl_loop import Config, main
 
 DATASETS = {"chain_sum": 1.0, "basic_arithmetic": 1.0}
