@@ -14,10 +14,10 @@ import training
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = [
-    "AgentShimConfig", "ChatAssembler", "ConfigError", "DeploymentConfig", "GeneratedSplits", "LossInputs",
-    "OverlongConfig", "PromptGroup", "RecoverableRolloutError", "RolloutRun", "RolloutSample", "RolloutSetup",
-    "SamplingConfig", "TISConfig", "TokenLoss", "TrainerConfig", "build_deployment_sampler", "build_renderer",
-    "get_text_content", "load_model_and_tokenizer", "load_tokenizer",
+    "AgentShimConfig", "BadEnvironmentError", "ChatAssembler", "ConfigError", "DeploymentConfig", "GeneratedSplits",
+    "LossInputs", "OverlongConfig", "PromptGroup", "RecoverableRolloutError", "RolloutRun", "RolloutSample",
+    "RolloutSetup", "SamplingConfig", "TISConfig", "TokenLoss", "TrainerConfig", "build_deployment_sampler",
+    "build_renderer", "from_reasoning_gym", "get_text_content", "load_model_and_tokenizer", "load_tokenizer",
     "read_jsonl", "register_policy_loss", "restart_with_allocator", "rollout_evaluation", "sample_from_completion",
     "serve_policy", "write_jsonl",
 ]

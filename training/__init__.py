@@ -57,6 +57,9 @@ PUBLIC_NAMES: dict[str, str] = {
     "serve_policy": "training.utils.rl.startup",
     "load_tokenizer": "training.utils.model",
     "load_model_and_tokenizer": "training.utils.model",
+    # environments from other packages (docs/environments.md)
+    "from_reasoning_gym": "training.environments.reasoning_gym",
+    "BadEnvironmentError": "training.environments.episodes",
     # the process a run lives in
     "restart_with_allocator": "training.utils.allocator",
 }
@@ -80,6 +83,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; `X as X` marks a re-export
+    from training.environments.episodes import BadEnvironmentError as BadEnvironmentError
+    from training.environments.reasoning_gym import from_reasoning_gym as from_reasoning_gym
     from training.utils.allocator import restart_with_allocator as restart_with_allocator
     from training.utils.config import (
         AgentShimConfig as AgentShimConfig,

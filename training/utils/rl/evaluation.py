@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from training.utils.rl.dataset import RowItem, row_id_of
+from training.utils.rl.groups import reward_parts
 from training.utils.rl.rollout.invoke import bind_draws, context_params, gather_or_cancel
 from training.utils.rl.rollout.types import RolloutSetup
 
@@ -21,7 +22,8 @@ def rollout_evaluation(
     samples_per_row: int = 1,
     timeout_s: float = 600.0,
 ) -> Callable:
-    """Return `evaluation_fn(setup, step)` reporting `reward` (mean) and `dropped` over `rows`.
+    """Return `evaluation_fn(setup, step)` reporting `reward` (mean) and `dropped` over `rows`, and the mean of
+    each numeric `reward/<name>` the runs' metadata carries (logged `eval/reward/<name>`).
 
     Draws get `evaluation=True` in their context, so a rollout can switch behaviour
     (e.g. skip expensive logging) when it declares that key. The rows are one epoch in their
@@ -38,9 +40,11 @@ def rollout_evaluation(
                                        timeout_s=timeout_s, evaluation=True)
         draw = bound["draw"]
         results = await gather_or_cancel([draw(item, s, step) for item in items for s in range(samples_per_row)])
-        rewards = [r.run.reward for r in results if r.run is not None]
+        runs = [r.run for r in results if r.run is not None]
+        rewards = [run.reward for run in runs]
         return {"reward": float(np.mean(rewards)) if rewards else float("nan"),
-                "dropped": float(len(results) - len(rewards))}
+                "dropped": float(len(results) - len(rewards))} | {
+            f"reward/{name}": value for name, value in reward_parts(runs).items()}
 
     return evaluation_fn
 

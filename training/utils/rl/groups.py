@@ -103,7 +103,8 @@ def rollout_metrics(settled_P: list[SettledRow], groups: list[PromptGroup], coun
     metrics["rollout/groups_rejected"] = float(sum(v for k, v in counts.items() if k != ACCEPTED))
     metrics["rollout/groups_filtered"] = float(counts[FILTERED])
     metrics["rollout/retries"] = float(sum(s.attempts - 1 for s in settled_P))
-    return metrics | inference_drift_metrics(runs) | shim_metrics(runs)
+    return metrics | inference_drift_metrics(runs) | shim_metrics(runs) | {
+        f"rollout/reward/{name}": value for name, value in reward_parts(runs).items()}
 
 
 def shim_metrics(runs: list[RolloutRun]) -> dict[str, float]:
@@ -117,3 +118,14 @@ def shim_metrics(runs: list[RolloutRun]) -> dict[str, float]:
             if key.startswith("shim/") and isinstance(value, (int, float)) and not isinstance(value, bool):
                 totals[f"rollout/{key}"] += value
     return {name: float(total) for name, total in totals.items()}
+
+
+def reward_parts(runs: list[RolloutRun]) -> dict[str, float]:
+    """The mean of each numeric `reward/<name>` in the runs' metadata, over the runs that carry it, by name: an
+    environment's reward functions, or each dataset of a mix (`training.environments` records them)."""
+    parts: dict[str, list[float]] = {}
+    for run in runs:
+        for key, value in (run.metadata or {}).items():
+            if key.startswith("reward/") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                parts.setdefault(key.removeprefix("reward/"), []).append(float(value))
+    return {name: float(np.mean(values)) for name, values in parts.items()}
