@@ -14,3 +14,7 @@ pytestmark = [pytest.mark.environments, pytest.mark.slow]
 
 def test_reasoning_gym():
     run_checks("reasoning-gym", "check_reasoning_gym.py")
+
+
+def test_openenv():
+    run_checks("openenv-core", "check_openenv.py")

@@ -59,6 +59,8 @@ PUBLIC_NAMES: dict[str, str] = {
     "load_model_and_tokenizer": "training.utils.model",
     # environments from other packages (docs/environments.md)
     "from_reasoning_gym": "training.environments.reasoning_gym",
+    "from_openenv": "training.environments.openenv",
+    "openenv_server": "training.environments.openenv",
     "BadEnvironmentError": "training.environments.episodes",
     # the process a run lives in
     "restart_with_allocator": "training.utils.allocator",
@@ -84,6 +86,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; `X as X` marks a re-export
     from training.environments.episodes import BadEnvironmentError as BadEnvironmentError
+    from training.environments.openenv import (
+        from_openenv as from_openenv,
+        openenv_server as openenv_server,
+    )
     from training.environments.reasoning_gym import from_reasoning_gym as from_reasoning_gym
     from training.utils.allocator import restart_with_allocator as restart_with_allocator
     from training.utils.config import (
