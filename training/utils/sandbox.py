@@ -133,7 +133,8 @@ class AgentSandbox:
             with open(scratch / "stdin", "rb") as i, open(scratch / "stdout", "wb") as o, \
                     open(scratch / "stderr", "wb") as e:
                 proc = await asyncio.create_subprocess_exec(*command, stdin=i, stdout=o, stderr=e, env=outer_env,
-                                                            cwd=workdir, start_new_session=True, pass_fds=inherited)
+                                                            cwd=workdir, start_new_session=True,
+                                                            pass_fds=inherited if self.isolated else ())
         finally:
             for fd in inherited + [spec_w]:
                 os.close(fd)
@@ -151,7 +152,11 @@ class AgentSandbox:
         finally:
             os.close(watch_w)  # the sandbox's init kills what is left the moment this closes
             _kill(proc)
-            status = os.read(status_r, 64)
+            os.set_blocking(status_r, False)  # an init not reaped in time must not block the event loop
+            try:
+                status = os.read(status_r, 64)
+            except BlockingIOError:
+                status = b""
             os.close(status_r)
         returncode = proc.returncode
         if self.isolated and status:
