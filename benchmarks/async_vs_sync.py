@@ -43,7 +43,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import training  # noqa: F401 - sets OpenMP's wait policy first (training/utils/openmp.py)
+import training
+
+training.set_openmp_wait_policy()  # before torch loads (training/utils/openmp.py)
+
 import numpy as np
 import torch
 import transformers

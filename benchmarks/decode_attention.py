@@ -15,7 +15,10 @@ import argparse
 import statistics
 import time
 
-import training  # noqa: F401 - sets OpenMP's wait policy first (training/utils/openmp.py)
+import training
+
+training.set_openmp_wait_policy()  # before torch loads (training/utils/openmp.py)
+
 import torch
 
 from training.utils import cpu_attention

@@ -37,9 +37,10 @@ CHILD_TIMEOUT_S = 1800
 
 def measure(arrangement: str, model_name: str, rows: int, context: int, steps: int, threads: int) -> float:
     """ms per decode step in `arrangement` (in a fresh process: a pool, once made, stays as long as its thread)."""
-    import training  # noqa: F401, I001 - sets OpenMP's wait policy before torch loads
-    import torch
+    import training  # noqa: I001
 
+    training.set_openmp_wait_policy()  # before torch loads
+    import torch
     from decode_attention import ms_per_step
 
     from training.utils.cpu_attention import DECODE_CHUNK_BYTES, DECODE_NAME, use_cpu_attention

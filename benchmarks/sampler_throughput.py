@@ -29,7 +29,10 @@ import tempfile
 import threading
 import time
 
-import training  # noqa: F401 - sets OpenMP's wait policy first (training/utils/openmp.py)
+import training
+
+training.set_openmp_wait_policy()  # before torch loads (training/utils/openmp.py)
+
 import torch
 
 from training.utils.config import DeploymentConfig

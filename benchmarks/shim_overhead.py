@@ -41,7 +41,10 @@ import signal
 import sys
 import time
 
-import training  # noqa: F401 - sets OpenMP's wait policy first (training/utils/openmp.py)
+import training
+
+training.set_openmp_wait_policy()  # before torch loads (training/utils/openmp.py)
+
 import aiohttp
 import numpy as np
 import torch

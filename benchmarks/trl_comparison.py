@@ -161,10 +161,12 @@ def run_trl(options: dict, steps: int, out_dir: Path) -> dict:
 # ---- our side ---------------------------------------------------------------------------------------------
 
 def run_ours(options: dict, steps: int, out_dir: Path) -> dict:
-    # `training` before torch, as the examples import it: it sets OpenMP's wait policy (training/utils/openmp.py).
+    # OpenMP's wait policy before torch loads, as the examples set it (training/utils/openmp.py).
     import logging  # noqa: I001
 
-    import training  # noqa: F401
+    import training
+
+    training.set_openmp_wait_policy()
     import torch
 
     from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn

@@ -1,18 +1,22 @@
 """Shared test setup: tests use tiny models, where one intra-op thread beats two on a 2-core box."""
 
-# `training` before torch, as users are told to: it sets OpenMP's wait policy (training/utils/openmp.py).
+# OpenMP's wait policy before torch loads, as the examples set it (training/utils/openmp.py).
 import gc  # noqa: I001
 import os  # noqa: I001
 
-import training  # noqa: F401
+import training
 
-import pytest
-import torch
+training.set_openmp_wait_policy()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
 # The suite checks numbers at float32 tolerances: `precision="auto"` and `deployment.dtype="auto"` must not pick
 # bf16 because the machine running it has native bf16 (torchrun workers inherit it too).
 os.environ.setdefault("TRAINING_CPU_BF16", "0")
+# Tests never reach the Hub: a Hub id missing from the cache fails at once (the library sets nothing itself).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects

@@ -18,11 +18,12 @@ from training.utils.tiny_model import tiny_config
 
 
 def test_tiny_random_model_and_tokenizer():
+    environ = dict(os.environ)
     model, tokenizer = load_model_and_tokenizer("tiny-random")
+    assert dict(os.environ) == environ  # loading a model sets no environment variable
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.dtype == torch.float32 and model.device.type == "cpu"
     assert model.config.vocab_size == len(tokenizer) == 260
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
     text = "<|im_start|>user\nhé 2+3?<|im_end|>\n<|im_start|>assistant\n"
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hé 2+3?"}], add_generation_prompt=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
@@ -44,7 +45,9 @@ def test_local_directory_round_trip(tmp_path):
     model, tokenizer = load_model_and_tokenizer("tiny-random")
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
+    environ = dict(os.environ)
     loaded, loaded_tok = load_model_and_tokenizer(str(tmp_path))
+    assert dict(os.environ) == environ  # a local directory is read locally, and nothing is set for the process
     ids = torch.tensor([[1, 50, 60, 70]])
     assert torch.allclose(model(ids).logits, loaded(ids).logits)
     assert loaded_tok.chat_template == tokenizer.chat_template

@@ -1,8 +1,9 @@
-"""`import training` sets OpenMP's wait policy before torch loads libgomp (training/utils/openmp.py), and
-libgomp itself reports what it read."""
+"""`training.set_openmp_wait_policy()` sets OpenMP's wait policy before torch loads libgomp
+(training/utils/openmp.py), `import training` alone changes nothing, and libgomp itself reports what it read."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,10 +37,32 @@ needs_libgomp = pytest.mark.skipif(
 
 
 @needs_libgomp
-def test_import_training_first_sets_the_policy_torch_runs_on_and_children_start_clean():
+def test_import_training_leaves_the_environment_and_openmp_as_they_were():
+    code = """
+import json, os, sys
+before = dict(os.environ)
+import training
+after = dict(os.environ)
+loaded = [line for line in open('/proc/self/maps') if 'libgomp' in line]
+import torch
+torch.ones(4).sum()
+from training.utils import openmp
+print(json.dumps([after == before, loaded, openmp.not_set_because]))
+"""
+    result = _run(code, OMP_DISPLAY_ENV="VERBOSE")
+    assert result.returncode == 0, result.stderr
+    unchanged, loaded, reason = json.loads(result.stdout)
+    assert unchanged and loaded == [] and reason == openmp.NOT_ASKED
+    # libgomp, loaded by torch, has its own defaults (it prints PASSIVE for "not set").
+    assert dict(_libgomp_settings(result.stderr))["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+@needs_libgomp
+def test_the_call_before_torch_sets_the_policy_torch_runs_on_and_children_start_clean():
     code = """
 import os, subprocess, sys
 import training
+training.set_openmp_wait_policy()
 assert 'torch' not in sys.modules
 import torch
 torch.ones(4).sum()
@@ -52,7 +75,7 @@ subprocess.run([sys.executable, '-c', 'import torch; torch.ones(4).sum()'], chec
     result = _run(code, OMP_DISPLAY_ENV="VERBOSE")
     assert result.returncode == 0, result.stderr
     ours, child = result.stderr.split("--- child")
-    # One libgomp in the process, loaded by `import training` with the policy; torch runs on that copy.
+    # One libgomp in the process, loaded by the call with the policy; torch runs on that copy.
     assert _libgomp_settings(ours) == [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "300000")]
     assert result.stdout.splitlines() == ["1", "[]"]
     # A child that does not import training gets libgomp's own defaults (it prints PASSIVE for "not set").
@@ -61,7 +84,7 @@ subprocess.run([sys.executable, '-c', 'import torch; torch.ones(4).sum()'], chec
 
 @needs_libgomp
 def test_torch_first_keeps_libgomp_defaults_and_start_up_says_how_to_fix_it():
-    code = ("import torch; import training; from training.utils import openmp; "
+    code = ("import torch; import training; training.set_openmp_wait_policy(); from training.utils import openmp; "
             "print(openmp.not_set_because); print(openmp.import_time_notice())")
     result = _run(code, OMP_DISPLAY_ENV="VERBOSE")
     assert result.returncode == 0, result.stderr
@@ -69,12 +92,14 @@ def test_torch_first_keeps_libgomp_defaults_and_start_up_says_how_to_fix_it():
     assert dict(_libgomp_settings(result.stderr))["OMP_WAIT_POLICY"] == "PASSIVE"
     reason, notice = result.stdout.splitlines()
     assert reason == openmp.TORCH_FIRST
-    assert "import training first" in notice and "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000" in notice
+    assert "call it before anything imports torch" in notice
+    assert "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000" in notice
 
 
 @needs_libgomp
 def test_a_users_own_setting_wins():
-    result = _run("import training, torch; torch.ones(4).sum()", OMP_DISPLAY_ENV="VERBOSE", OMP_WAIT_POLICY="PASSIVE")
+    result = _run("import training; training.set_openmp_wait_policy(); import torch; torch.ones(4).sum()",
+                  OMP_DISPLAY_ENV="VERBOSE", OMP_WAIT_POLICY="PASSIVE")
     assert result.returncode == 0, result.stderr
     assert _libgomp_settings(result.stderr) == [("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "0")]
 

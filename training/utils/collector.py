@@ -12,13 +12,11 @@ imports leave"). Two places pay for that, and each gets its remedy here:
   alive moves to the collector's permanent generation (`gc.freeze`), and later collections walk
   only what the run makes.
 
-What it froze stays frozen when the run returns, because that is what makes the interpreter's exit
-quick. The cost: an object alive when the run started that later becomes unreachable inside a
-reference cycle is freed when the next run in the same process starts (which unfreezes, collects
-and freezes again). If the process exits first, its memory goes back with the process, but its
-`__del__` method does not run (`weakref.finalize` callbacks still run at exit). Objects freed by
-reference counting, the great majority, are freed as before, and the run's own objects (model,
-optimizer, engine) are made after the freeze, so the collector keeps all of them in view.
+`main()` unfreezes what it froze when it returns (`rl/run_process.py`), so the process's collector is as it
+found it. The cost while a run lasts: an object alive when the run started that becomes unreachable inside a
+reference cycle is freed only after the run (or when the next run starts, which unfreezes, collects and
+freezes again). Objects freed by reference counting, the great majority, are freed as before, and the run's
+own objects (model, optimizer, engine) are made after the freeze, so the collector keeps all of them in view.
 """
 
 from __future__ import annotations

@@ -71,6 +71,11 @@ class RunDirectoryInUseError(TrainingError, RuntimeError):
     """Another process is running on this `log_path` (the message names it); one run per directory."""
 
 
+class DiskFullError(TrainingError, OSError):
+    """The disk filled up while the run wrote a checkpoint (ENOSPC or EDQUOT); the message names where and which
+    step. The half-written checkpoint is never used: the run resumes from the one before."""
+
+
 class EventLoopBlockedError(TrainingError, RuntimeError):
     """The run's event loop did not turn within `event_loop_stall_s`: something on it blocked (the message names the
     task, e.g. a rollout's row and draw, and its stack)."""

@@ -35,14 +35,6 @@ _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
-def set_offline() -> None:
-    """Forbid Hub downloads once a model was loaded from a local source: to child processes, and to Hub ids
-    loaded later in this process (`hub_offline()`), which then come from the cache only."""
-    for name in _OFFLINE_VARIABLES:
-        os.environ[name] = "1"
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-
-
 def hub_offline() -> bool:
     """Whether Hub downloads are off: `HF_HUB_OFFLINE` or `TRANSFORMERS_OFFLINE` as huggingface_hub read them at
     import, or as set since (huggingface_hub itself would still try, and fail slowly)."""
@@ -144,8 +136,7 @@ def resolve_model_source(name_or_path: str) -> Path | str:
 def load_pretrained(cls, source: Path | str, **kwargs):
     """`cls.from_pretrained(source)`: a local directory offline; a Hub id from the HF cache when it is there
     (no network), else downloaded unless the Hub is offline. A Hub id that cannot be had is a `ModelLoadError`."""
-    if isinstance(source, Path):
-        set_offline()
+    if isinstance(source, Path):  # local files only: the process's environment is the user's, left as it is
         return cls.from_pretrained(source, local_files_only=True, **kwargs)
     # Load a cached Hub id from its snapshot directory: from_pretrained(id, local_files_only=True) still asks the
     # Hub for a PEFT adapter config, which stalls for half a minute of retries where the network is absent.
@@ -203,7 +194,6 @@ def _converted_smollm2_dir() -> Path:
 def _convert_smollm2(gguf: Path, target: Path, source: str) -> None:
     from training.utils.gguf_convert import convert_gguf
 
-    set_offline()
     tmp = target.with_name(target.name + ".tmp")
     convert_gguf(gguf, tmp)
     (tmp / "source.txt").write_text(source)
@@ -221,7 +211,6 @@ def load_tokenizer(name_or_path):
     from training.utils.tiny_model import make_test_tokenizer
 
     if isinstance(name_or_path, PretrainedConfig) or name_or_path == TINY_ALIAS:
-        set_offline()
         return make_test_tokenizer()
     tokenizer = load_pretrained(AutoTokenizer, resolve_model_source(name_or_path))
     if tokenizer.pad_token_id is None:

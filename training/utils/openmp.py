@@ -13,11 +13,11 @@ sleep between operators").
 `OMP_WAIT_POLICY=ACTIVE` raises that throttled spin to 1,000 iterations, enough to bridge the
 gap between two operators, and `GOMP_SPINCOUNT=300000` keeps the unthrottled spin where libgomp
 puts it by default (ACTIVE alone would spin for minutes). libgomp reads both once, in its
-constructor. So `import training` puts them in the environment, loads torch's libgomp itself
-(torch later uses that same copy), and takes them out again: child processes (a vLLM server, an
-agent CLI) start with the environment they had; a Python child that imports training does the
-same for itself. It does this only when:
-- torch is not loaded yet (it logs a warning at a recipe's start-up on a CPU otherwise);
+constructor. So `set_openmp_wait_policy()`, which the examples call first, before anything imports
+torch (`import training` alone changes nothing in the process), puts them in the environment, loads
+torch's libgomp itself (torch later uses that same copy), and takes them out again: child processes
+(a vLLM server, an agent CLI) start with the environment they had. It does this only when:
+- torch is not loaded yet (a recipe then logs a warning at start-up on a CPU);
 - torch's package bundles libgomp (the Linux wheels; macOS wheels carry LLVM's libomp, where
   ACTIVE means spinning without end);
 - the user set neither variable (setting `OMP_WAIT_POLICY` yourself, to anything, opts out);
@@ -34,14 +34,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 WAIT_POLICY_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
-"""What libgomp reads when `import training` loads it (see the module docstring)."""
+"""What libgomp reads when `set_openmp_wait_policy()` loads it (see the module docstring)."""
 
-TORCH_FIRST = "torch was imported before training"
+TORCH_FIRST = "torch was imported before training.set_openmp_wait_policy()"
+NOT_ASKED = "training.set_openmp_wait_policy() was not called"
 
 _OTHER_RUNTIMES = ("iomp", "libomp")
 
-not_set_because: str | None = None
-"""Why `import training` left libgomp's defaults alone; None if it loaded libgomp with `WAIT_POLICY_ENV`."""
+not_set_because: str | None = NOT_ASKED
+"""Why libgomp has its defaults; None once `set_openmp_wait_policy()` loaded it with `WAIT_POLICY_ENV`."""
 
 
 def bundled_libgomp() -> Path | None:
@@ -67,10 +68,14 @@ def wait_policy_blocker(environ: Mapping[str, str], torch_loaded: bool, platform
     return None
 
 
-def apply_at_import() -> None:
-    """What `training/__init__.py` runs first: load torch's libgomp with `WAIT_POLICY_ENV` in the environment
-    if nothing rules it out, then restore the environment; why not is kept in `not_set_because`."""
+def set_openmp_wait_policy() -> None:
+    """Before anything imports torch (a script's first lines): load torch's libgomp with `WAIT_POLICY_ENV` in
+    the environment if nothing rules it out (module docstring), then restore the environment; why not is kept in
+    `not_set_because`. Idle OpenMP workers then bridge the gap between two operators instead of sleeping, which
+    the embedded engine and the trainer thread pay for on a small CPU. A second call does nothing."""
     global not_set_because
+    if not_set_because != NOT_ASKED:
+        return
     torch_loaded = "torch" in sys.modules
     libgomp = None if torch_loaded else bundled_libgomp()
     not_set_because = wait_policy_blocker(os.environ, torch_loaded, sys.platform, libgomp)
@@ -87,10 +92,11 @@ def apply_at_import() -> None:
 
 
 def import_time_notice() -> str | None:
-    """The one line a recipe logs at start-up on a CPU when `import training` could not set the wait policy
-    for a reason the user can fix; None otherwise."""
+    """The one line a recipe logs at start-up on a CPU when `set_openmp_wait_policy()` came too late (torch was
+    loaded); None otherwise (not called at all is the user's choice)."""
     if not_set_because != TORCH_FIRST:
         return None
     settings = " ".join(f"{k}={v}" for k, v in WAIT_POLICY_ENV.items())
     return (f"{TORCH_FIRST}, so its OpenMP workers sleep between operators on a small CPU (slower on the CPU; "
-            f"training/utils/openmp.py): import training first, or set {settings} in the environment")
+            f"training/utils/openmp.py): call it before anything imports torch, or set {settings} in the "
+            "environment")

@@ -26,6 +26,7 @@ same for both recipes:
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import logging
 import math
@@ -42,11 +43,16 @@ import torch
 
 from training.utils import distributed
 from training.utils.atomic_dir import check_replaceable
-from training.utils.checkpoint import latest_checkpoint, save_checkpoint
-from training.utils.collector import freeze_objects_alive_now
+from training.utils.checkpoint import checkpoint_root, latest_checkpoint, save_checkpoint
 from training.utils.config import RLConfig
 from training.utils.deploy import Deployment
-from training.utils.errors import ConfigError, EvaluationTimeoutError, NothingTrainedError, SkippedStepsError
+from training.utils.errors import (
+    ConfigError,
+    DiskFullError,
+    EvaluationTimeoutError,
+    NothingTrainedError,
+    SkippedStepsError,
+)
 from training.utils.logging import RunLogger
 from training.utils.loop_watchdog import LoopWatchdog
 from training.utils.rl.dataset import DurableRowSource
@@ -58,6 +64,7 @@ from training.utils.rl.memory_telemetry import MemoryTelemetry, memory_summary
 from training.utils.rl.resume import run_settings
 from training.utils.rl.rollout.invoke import DrawFn, bind_draws
 from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
+from training.utils.rl.run_process import run_process_state
 from training.utils.rl.startup import (
     deploy_policy,
     make_rollout_setup,
@@ -197,8 +204,15 @@ class TrainingRun:
         resume state and β."""
         start = time.monotonic()
         progress = {"step": self.step, "settings": self.settings, **self.resume_state, **self.kl.state_dict()}
-        await self.worker.run(save_checkpoint, self.cfg.log_path, self.step, policy=self.policy, progress=progress,
-                              np_rng=self.rng, keep=self.cfg.keep_checkpoints)
+        try:
+            await self.worker.run(save_checkpoint, self.cfg.log_path, self.step, policy=self.policy,
+                                  progress=progress, np_rng=self.rng, keep=self.cfg.keep_checkpoints)
+        except BaseException as exc:  # DCP wraps what its writers raised in a BaseException of its own
+            if not out_of_space(exc):
+                raise
+            raise DiskFullError(
+                f"no space left on {checkpoint_root(self.cfg.log_path)} while saving step {self.step}: free space "
+                f"there or lower keep_checkpoints; the next run resumes from step {self.saved_step}") from exc
         self.worker.take_busy_s()
         self.logger.log(self.step, {"perf/checkpoint_time": time.monotonic() - start})
         return self.step
@@ -272,9 +286,9 @@ def recipe_main(loop: Loop, config_class: type[RLConfig], *,
         the cookbook's name for `cfg.eval_interval`. Without `rollout_fn_factory`, the recipe's own rollout runs
         (rl_loop: each row's `messages`, scored by `rl_loop.reward_fn`); the async recipe needs one.
 
-        The objects alive when it starts stay frozen out of Python's cyclic garbage collector afterwards
-        (`gc.freeze`, training/utils/collector.py): a reference cycle among them that becomes garbage later is
-        freed when the next run starts; if the process exits first, its `__del__` methods do not run."""
+        For the length of the run SIGTERM stops it as Ctrl-C does (then `SystemExit(143)`), and the objects alive
+        when it starts are frozen out of Python's cyclic garbage collector (`run_process.py`); both are given back
+        when it returns."""
         if not isinstance(cfg, config_class):
             raise ConfigError(f"{loop.__module__}.main() needs a {loop.__module__}.Config, got "
                               f"{type(cfg).__module__}.{type(cfg).__name__}; build it from the recipe you import")
@@ -290,10 +304,11 @@ def recipe_main(loop: Loop, config_class: type[RLConfig], *,
         if cfg.output_dir:  # checked before training: a refused export would lose the run's weights
             check_replaceable(cfg.output_dir)
         # run_lock: one run per log_path (rank 0 holds it); distributed_session is a no-op without torchrun.
-        with distributed.distributed_session(cfg.trainer.distributed_timeout_s), run_lock(cfg.log_path):
-            return run_abandoning_stragglers(run_recipe(
+        with distributed.distributed_session(cfg.trainer.distributed_timeout_s), run_lock(cfg.log_path), \
+                run_process_state() as stop:
+            return run_abandoning_stragglers(stop.guard(run_recipe(
                 loop, cfg, rows, rollout_fn_factory, evaluation_fn=evaluation_fn, rollout_extras=rollout_extras,
-                dynamic_filter_fn=dynamic_filter_fn))
+                dynamic_filter_fn=dynamic_filter_fn)))
 
     main.__module__, main.__qualname__ = loop.__module__, "main"
     return main
@@ -335,7 +350,6 @@ def run_abandoning_stragglers(main: Coroutine[Any, Any, T], *, grace_s: float | 
 
 async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], rollout_fn_factory, *,
                      evaluation_fn, rollout_extras, **loop_kwargs) -> dict[str, Any]:
-    freeze_objects_alive_now()  # what imports left stays out of every later collection (training/utils/collector.py)
     protect_trainer()  # no process of this user reads this one's memory (the deployment's secret, session keys)
     sandbox = choose_sandbox(cfg.agent_sandbox)  # `required` with none available stops before the model loads
     torch.manual_seed(cfg.seed)
@@ -356,7 +370,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
     logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress, wandb_project=cfg.wandb_project,
                        config=cfg.model_dump(), new_run=not progress)
     shim = run = None
-    finished = False
+    finished = stopped = False
     watchdog = LoopWatchdog(cfg.event_loop_stall_s).start()  # from here on, a blocked event loop stops the run
     try:
         start_step = progress.get("step", 0)
@@ -378,6 +392,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         finished = True
     except asyncio.CancelledError:
         watchdog.raise_if_fired()  # the watchdog's cancel: the run ends with its error
+        stopped = run is not None  # Ctrl-C or SIGTERM
         raise
     finally:
         watchdog.stop()
@@ -385,6 +400,9 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         # (under torchrun, then release the other ranks); 2. close the ledger; 3. stop the agent shim, then
         # the deployment it samples from.
         await worker.close()
+        if stopped:  # after the trainer thread's last operation, which may have been a checkpoint
+            log.warning("the run stopped after step %d; the next run resumes from %s", run.step,
+                        latest_checkpoint(cfg.log_path) or "the start")
         # A run that stops on an error stops now: its ledger holds every record, and drawing the plots takes
         # seconds (`logging.plot_ledger` draws them later, and so does the run that resumes it, at its end).
         plots = logger.close(plots=finished)
@@ -399,6 +417,24 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         else:
             log.info(line)
     return distributed.broadcast_object(run.summary(plots), control=True)  # under torchrun every rank returns it
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether `exc`, what caused it, or a failure it carries (DCP's `CheckpointException.failures`) is ENOSPC or
+    EDQUOT."""
+    seen, stack = set(), [exc]
+    while stack:
+        error = stack.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        stack += [error.__cause__, error.__context__]
+    return False
 
 
 async def evaluate(evaluation_fn: Callable | None, setup: RolloutSetup, step: int, logger: RunLogger | None,

@@ -10,10 +10,11 @@ its README: Results).
 import json
 from pathlib import Path
 
-from training import restart_with_allocator
+from training import restart_with_allocator, set_openmp_wait_policy
 
 if __name__ == "__main__":
     restart_with_allocator()  # first, before torch loads: the run's memory through mimalloc (docs/allocator.md)
+    set_openmp_wait_policy()  # before torch loads: idle OpenMP workers spin between operators (docs/cpu-sharing.md)
 
 from training import AgentShimConfig, DeploymentConfig, SamplingConfig, TrainerConfig, rollout_evaluation
 from training.examples.rl.blackbox_agent.make_data import load_split

@@ -8,10 +8,11 @@ Runs the async recipe; for the synchronous one import from `training.recipes.rl_
 
 import json
 
-from training import restart_with_allocator
+from training import restart_with_allocator, set_openmp_wait_policy
 
 if __name__ == "__main__":
     restart_with_allocator()  # first, before torch loads: the run's memory through mimalloc (docs/allocator.md)
+    set_openmp_wait_policy()  # before torch loads: idle OpenMP workers spin between operators (docs/cpu-sharing.md)
 
 from training import SamplingConfig, TrainerConfig, rollout_evaluation
 from training.examples.rl.multi_turn_message_in.make_data import load_split

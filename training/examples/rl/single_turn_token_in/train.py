@@ -12,10 +12,11 @@ import argparse
 import json
 from pathlib import Path
 
-from training import restart_with_allocator
+from training import restart_with_allocator, set_openmp_wait_policy
 
 if __name__ == "__main__":
     restart_with_allocator()  # first, before torch loads: the run's memory through mimalloc (docs/allocator.md)
+    set_openmp_wait_policy()  # before torch loads: idle OpenMP workers spin between operators (docs/cpu-sharing.md)
 
 from training import DeploymentConfig, SamplingConfig, TrainerConfig, read_jsonl, rollout_evaluation
 from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn
