@@ -305,7 +305,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
                      evaluation_fn, rollout_extras, **loop_kwargs) -> dict[str, Any]:
     freeze_objects_alive_now()  # what imports left stays out of every later collection (training/utils/collector.py)
     protect_trainer()  # no process of this user reads this one's memory (the deployment's secret, session keys)
-    sandbox = choose_sandbox(cfg.agent_sandbox)  # `required` with none available stops before the model loads
+    sandbox = choose_sandbox(cfg.agent_sandbox, console=cfg.progress)  # `required` without one stops here
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     total_steps = cfg.planned_steps(len(rows))
