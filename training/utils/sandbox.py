@@ -214,9 +214,10 @@ def protect_trainer() -> None:
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
 
 
-def choose_sandbox(mode: str, hidden: Iterable[str | os.PathLike] = ()) -> AgentSandbox:
-    """The sandbox this machine allows, tried in order (`bwrap`, `unshare`), logged once; `mode`: "auto" falls back
-    to `none` with a warning naming what to install, "required" raises `ConfigError` instead, "off" is `none`."""
+def choose_sandbox(mode: str, hidden: Iterable[str | os.PathLike] = (), *, console: bool = False) -> AgentSandbox:
+    """The sandbox this machine allows, tried in order (`bwrap`, `unshare`), said once (on stderr with `console`,
+    the run's progress output, else logged); `mode`: "auto" falls back to `none` with a warning naming what to
+    install, "required" raises `ConfigError` instead, "off" is `none`."""
     if mode == "off":
         logger.warning("agent sandbox: off (agent_sandbox='off'): agents run as this user, outside any namespace, "
                        "and can read this process's memory, the run's files and each other's keys")
@@ -227,7 +228,10 @@ def choose_sandbox(mode: str, hidden: Iterable[str | os.PathLike] = ()) -> Agent
         problem = _probe(AgentSandbox(kind, hidden))
         if problem is None:
             sandbox = AgentSandbox(kind, hidden, detail=_describe(kind))
-            logger.info("agent sandbox: %s", sandbox.detail)
+            if console:
+                print(f"agent sandbox: {sandbox.detail}", file=sys.stderr, flush=True)
+            else:
+                logger.info("agent sandbox: %s", sandbox.detail)
             return sandbox
         failures.append(f"{kind}: {problem}")
     missing = "; ".join(failures)

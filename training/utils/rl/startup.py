@@ -226,7 +226,7 @@ async def serve_policy(cfg: RLConfig, rollout_extras: dict[str, Any] | None = No
             rollout_fn = make_rollout_fn(setup)
     """
     protect_trainer()
-    sandbox = choose_sandbox(cfg.agent_sandbox)  # `required` with none available stops before the model loads
+    sandbox = choose_sandbox(cfg.agent_sandbox, console=cfg.progress)  # `required` without one stops here
     model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weight_dtype(cfg.trainer, default_device()))
     deployment = await start_deployment(model, tokenizer, cfg.deployment, model_name=cfg.model,
                                         sampling_timeout_s=cfg.sampling.timeout_s)

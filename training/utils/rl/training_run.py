@@ -351,7 +351,7 @@ def run_abandoning_stragglers(main: Coroutine[Any, Any, T], *, grace_s: float | 
 async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], rollout_fn_factory, *,
                      evaluation_fn, rollout_extras, **loop_kwargs) -> dict[str, Any]:
     protect_trainer()  # no process of this user reads this one's memory (the deployment's secret, session keys)
-    sandbox = choose_sandbox(cfg.agent_sandbox)  # `required` with none available stops before the model loads
+    sandbox = choose_sandbox(cfg.agent_sandbox, console=cfg.progress)  # `required` without one stops here
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     total_steps = cfg.planned_steps(len(rows))
