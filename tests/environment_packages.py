@@ -2,10 +2,11 @@
 
 Each venv sees this interpreter's site-packages (`--system-site-packages`: torch, transformers and `training`'s
 own dependencies are not installed twice) and adds the package at its pinned version with whatever it needs on top
-(verifiers pins openai below 3, so its venv holds its own openai). It is made once under `$TRAINING_CACHE_DIR`
-(default `~/.cache/training`), under a lock, with a `.complete` file marking a finished install. Only a missing
-venv needs the registry: when it cannot be reached the test skips with one line; an install that fails is an
-error. The checks of a package run in a pytest process of its venv (`run_checks`).
+(a package that pins a dependency differently, as verifiers pins openai below 3, gets its own copy there). It is
+made once under `$TRAINING_CACHE_DIR` (default `~/.cache/training`), under a lock, with a `.complete` file marking
+a finished install. Only a missing venv needs the registry: when it cannot be reached the test skips with one
+line; an install that fails is an error. The checks of a package run in a pytest process of its venv
+(`run_checks`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from real_engines import _index_url, _tail, exclusive_lock
 from training.utils.model import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"reasoning-gym": "0.1.25", "verifiers": "0.4.0", "openenv-core": "0.3.0"}
-"""The pins of pyproject.toml's extras: `.[reasoning-gym]`, `.[verifiers]`, `.[openenv]`."""
+PACKAGES = {"reasoning-gym": "0.1.25", "openenv-core": "0.3.0"}
+"""The pins of pyproject.toml's extras `.[reasoning-gym]` and `.[openenv]` (verifiers has no adapter yet)."""
 INSTALL_TIMEOUT_S = 1800.0
 CHECKS_TIMEOUT_S = 1500.0
 _COMPLETE = ".complete"

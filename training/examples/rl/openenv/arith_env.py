@@ -59,4 +59,5 @@ class ArithEnvironment(Environment):
         return State(step_count=self.asked)
 
 
-app = create_app(ArithEnvironment, ArithAction, ArithObservation, env_name="arith", max_concurrent_envs=64)
+# One session per episode in flight: the async recipe holds up to two batches of P·G draws (P=8, G=8, O=1).
+app = create_app(ArithEnvironment, ArithAction, ArithObservation, env_name="arith", max_concurrent_envs=256)
