@@ -9,10 +9,11 @@ draw is one episode over openenv-core's client, both replies trained as one run 
 
 import json
 
-from training import restart_with_allocator
+from training import restart_with_allocator, set_openmp_wait_policy
 
 if __name__ == "__main__":
     restart_with_allocator()  # first, before torch loads: the run's memory through mimalloc (docs/allocator.md)
+    set_openmp_wait_policy()  # before torch loads: idle OpenMP workers spin between operators (docs/cpu-sharing.md)
 
 from training import SamplingConfig, TrainerConfig, from_openenv, openenv_server
 from training.recipes.async_rl_loop import Config, main

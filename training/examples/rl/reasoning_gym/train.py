@@ -9,10 +9,11 @@ dataset's own `score_answer` (its README says why the whole reply is the answer 
 
 import json
 
-from training import restart_with_allocator
+from training import restart_with_allocator, set_openmp_wait_policy
 
 if __name__ == "__main__":
     restart_with_allocator()  # first, before torch loads: the run's memory through mimalloc (docs/allocator.md)
+    set_openmp_wait_policy()  # before torch loads: idle OpenMP workers spin between operators (docs/cpu-sharing.md)
 
 from training import SamplingConfig, TrainerConfig, from_reasoning_gym
 from training.recipes.async_rl_loop import Config, main
