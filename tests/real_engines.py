@@ -277,7 +277,9 @@ def running_router(venv: Path, worker_urls: Sequence[str], log: Path, *, policy:
     """vllm-router on a free port of 127.0.0.1 in front of `worker_urls` (healthy servers), routing by `policy`;
     stopped on exit the way a server is."""
     port = _free_port()
+    # A Prometheus port of its own: the default one is taken by any other router running on the machine.
     command = [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
                "--worker-urls", *worker_urls, "--policy", policy, *extra_args]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
