@@ -3,6 +3,9 @@
 # OpenMP's wait policy before torch loads, as the examples set it (training/utils/openmp.py).
 import gc  # noqa: I001
 import os  # noqa: I001
+import shutil  # noqa: I001
+import tempfile  # noqa: I001
+from pathlib import Path  # noqa: I001
 
 import training
 
@@ -34,3 +37,15 @@ def pytest_collection_finish(session):
     held the loop for 0.7-0.9 s, depending only on which modules the run collected."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def agent_program_dir():
+    """A directory for a test's stand-in agent program that an agent sandbox can read: agents get a private `/tmp`
+    (docs/agent-shim.md: Security), so a program written under pytest's `tmp_path` would be out of their sight. It
+    lies under the checkout's `runs/` (ignored by git) and is removed afterwards."""
+    base = Path(__file__).resolve().parents[1] / "runs"
+    base.mkdir(exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="agent-program-", dir=base))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)

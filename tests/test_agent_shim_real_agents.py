@@ -386,9 +386,9 @@ sys.exit(1)
 """
 
 
-def test_an_agent_that_exits_1_after_its_turns_is_graded_and_trained(tiny, tmp_path, monkeypatch):
+def test_an_agent_that_exits_1_after_its_turns_is_graded_and_trained(tiny, tmp_path, agent_program_dir, monkeypatch):
     """The rollout grades (1.0) and trains a run whose agent exited 1 after a recorded model call."""
-    agent_script = tmp_path / "stand_in_agent.py"
+    agent_script = agent_program_dir / "stand_in_agent.py"
     agent_script.write_text(STAND_IN_AGENT)
     monkeypatch.setattr(rollout, "AGENT", agent_script)
     row = {"id": "r0", "task": "What is 3 + 5?", "expression": "3 + 5", "answer": "8"}

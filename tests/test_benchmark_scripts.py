@@ -118,7 +118,9 @@ def check_cpu_attention(out: str) -> None:
     ((decode, prefill, tokens),) = figures(r"(?m)^cpu_decode_sdpa +NUMBER +NUMBER +NUMBER$", out)
     assert decode > 0 and prefill > 0 and tokens > 0
     rows = figures(r"(?m)^(?:main-job|trl|uneven) +NUMBER +NUMBER +NUMBERx$", out)
-    assert len(rows) == 3 and all(sdpa > 0 and ours > 0 and ratio == pytest.approx(sdpa / ours, abs=0.02)
+    # The times are printed to 3 decimals and the ratio to 2: the ratio lies within what the rounded times allow.
+    assert len(rows) == 3 and all(sdpa > 0 and ours > 0 and (sdpa - 5e-4) / (ours + 5e-4) - 5e-3 <= ratio
+                                  <= (sdpa + 5e-4) / max(ours - 5e-4, 1e-9) + 5e-3
                                   for sdpa, ours, ratio in rows), rows
 
 

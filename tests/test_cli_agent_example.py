@@ -164,7 +164,8 @@ STAND_IN = textwrap.dedent("""\
 
 def rollout(directory: Path, reply: str, stand_in: str):
     """The rollout of one row with the stand-in `stand_in` as the CLI and `reply` as the model's answer; returns
-    (the run, or the RecoverableRolloutError raised, the row, the runs-log records)."""
+    (the run, or the RecoverableRolloutError raised, the row, the runs-log records). `directory` holds the stand-in
+    and the log, so it must be one an agent sandbox can read (`agent_program_dir`), not under the private `/tmp`."""
     tiny = make_tiny(0)
     _, tokenizer = tiny
     directory.mkdir()
@@ -193,16 +194,17 @@ def rollout(directory: Path, reply: str, stand_in: str):
 
 
 @pytest.mark.parametrize("reply, reward", [("8", 1.0), ("9", 0.0)])
-def test_the_rollout_grades_what_the_cli_left_in_its_working_directory(tmp_path, reply, reward):
-    run, row, (record,) = rollout(tmp_path / "cli", reply, STAND_IN)
+def test_the_rollout_grades_what_the_cli_left_in_its_working_directory(agent_program_dir, reply, reward):
+    run, row, (record,) = rollout(agent_program_dir / "cli", reply, STAND_IN)
     assert row["answer"] == "8" and run.reward == reward and run.run_id == f"{row['id']}/2"
     assert run.metadata["shim/turn_kinds"] == ["new"] and (record["exit_code"], record["reward"]) == (0, reward)
 
 
-def test_a_cli_that_exits_non_zero_after_its_model_calls_is_graded_and_one_that_never_called_is_dropped(tmp_path):
-    run, _, (record,) = rollout(tmp_path / "graded", "8", STAND_IN + "sys.exit(1)\n")
+def test_a_cli_that_exits_non_zero_after_its_model_calls_is_graded_and_one_that_never_called_is_dropped(
+        agent_program_dir):
+    run, _, (record,) = rollout(agent_program_dir / "graded", "8", STAND_IN + "sys.exit(1)\n")
     assert run.reward == 1.0 and (record["exit_code"], record["outcome"]) == (1, "run")
-    error, _, (record,) = rollout(tmp_path / "dropped", "8", "import sys\nsys.exit('no model for you')\n")
+    error, _, (record,) = rollout(agent_program_dir / "dropped", "8", "import sys\nsys.exit('no model for you')\n")
     assert isinstance(error, RecoverableRolloutError)
     assert str(error).startswith("agent claude add-train-0/2 exited 1 before any model call was recorded; stderr")
     assert str(error).endswith("no model for you\n")

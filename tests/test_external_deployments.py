@@ -28,6 +28,7 @@ from training.utils.deploy.nccl import NCCLBroadcaster
 from training.utils.deploy.sglang import WEIGHT_SYNC_GROUP_NAME, SGLangWeightSync
 from training.utils.deploy.vllm import VLLMWeightSync
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
+from training.utils.rl import startup
 from training.utils.rl.rollout.types import sample_from_completion
 from training.utils.rl.startup import make_rollout_setup
 from training.utils.tiny_model import make_test_tokenizer, tiny_config
@@ -925,10 +926,20 @@ def versions_and_samples(server: FakeServer) -> list[str]:
     return seen
 
 
-def test_a_fresh_run_serves_its_step_0_weights_first_and_a_resumed_run_its_checkpoints(tmp_path):
+def test_a_fresh_run_serves_its_step_0_weights_first_and_a_resumed_run_its_checkpoints(tmp_path, monkeypatch):
     """The server holds what an earlier run left (version 7): a fresh run pushes its step-0 weights as version 0
     before its first evaluation or rollout; resumed, it pushes the checkpoint's weights under their version."""
     rows = [{"id": f"r{i}"} for i in range(2)]
+    # The fake answers every completion with the same two choices, not the trainer's logprobs: the probe after a
+    # disk sync (tested against served weights in test_run_files_tampering.py) would refuse it; here only the
+    # order of versions and samples is under test, so each probe is counted instead.
+    probed = []
+
+    async def count_probe(deployment, worker, policy, version):
+        probed.append(version)
+        return 0.0
+
+    monkeypatch.setattr(startup, "check_served_weights", count_probe)
 
     def run(server, epochs):
         cfg = rl_loop.Config(
@@ -948,6 +959,7 @@ def test_a_fresh_run_serves_its_step_0_weights_first_and_a_resumed_run_its_check
     assert fresh[:2] == ["v0", "sample"]
     assert [s for s in fresh if s != "sample"] == ["v0", "v1", "v2"]
     assert resumed[:2] == ["v2", "sample"]
+    assert probed == [0, 1, 2, 2, 3, 4]
     assert [s for s in resumed if s != "sample"] == ["v2", "v3", "v4"]
 
 

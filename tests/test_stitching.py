@@ -323,7 +323,7 @@ def test_segments_to_run_from_a_tree():
     segments = tree.materialize([(1, "wipe"), (2, "final")])
     run = segments_to_run(segments, 1.0, run_id="run-1", metadata={"task": "t"})
     assert isinstance(run, RolloutRun)
-    assert validate_run(run, row_id="r", draw_index=0, vocab_size=256) is run
+    assert validate_run(run, row_id="r", draw_index=0, vocab_size=256) == run  # its own copy
     assert [s.tokens for s in run.segments] == [[1, 10, 2, 20], [1, 10, 3, 30]]
     assert [s.loss_mask for s in run.segments] == [[0, 1, 0, 1], [0, 0, 0, 1]]
     assert [s.logprobs for s in run.segments] == [[0.0, -0.1, 0.0, -0.2], [0.0, 0.0, 0.0, -0.3]]

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -203,15 +203,33 @@ def default_sandbox() -> AgentSandbox:
     return choose_sandbox("auto")
 
 
-def protect_trainer() -> None:
+def protect_trainer() -> int | None:
     """Make this process not dumpable (`prctl(PR_SET_DUMPABLE, 0)`): no other process of its user can read its
     memory (`/proc/<pid>/mem`, ptrace), environment or open files, nor core-dump it. Root (CAP_SYS_PTRACE) still
-    can: against an agent running as root it is the sandbox's pid namespace that hides the trainer."""
+    can: against an agent running as root it is the sandbox's pid namespace that hides the trainer. Returns the
+    flag it replaced (None off Linux), for `trainer_protected` to put back."""
     if sys.platform != "linux":
-        return
+        return None
     import ctypes  # noqa: PLC0415
 
-    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+    libc = ctypes.CDLL(None)
+    previous = libc.prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+    return previous
+
+
+@contextlib.contextmanager
+def trainer_protected() -> Iterator[None]:
+    """`protect_trainer` for the length of a run: the process is dumpable again (as it was) when the run returns,
+    once its secrets (the deployment's, the session keys) are no longer valid."""
+    previous = protect_trainer()
+    try:
+        yield
+    finally:
+        if previous is not None:
+            import ctypes  # noqa: PLC0415
+
+            ctypes.CDLL(None).prctl(4, previous, 0, 0, 0)
 
 
 def choose_sandbox(mode: str, hidden: Iterable[str | os.PathLike] = (), *, console: bool = False) -> AgentSandbox:

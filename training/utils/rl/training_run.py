@@ -80,7 +80,7 @@ from training.utils.rl.telemetry import EngineCounters, Utilisation
 from training.utils.rl.train_step import KLCoefficient
 from training.utils.rl.worker import TrainerWorker
 from training.utils.run_lock import run_lock
-from training.utils.sandbox import choose_sandbox, protect_trainer
+from training.utils.sandbox import choose_sandbox, trainer_protected
 from training.utils.trainer import Reference, Trainer
 
 log = logging.getLogger("training")
@@ -305,7 +305,7 @@ def recipe_main(loop: Loop, config_class: type[RLConfig], *,
             check_replaceable(cfg.output_dir)
         # run_lock: one run per log_path (rank 0 holds it); distributed_session is a no-op without torchrun.
         with distributed.distributed_session(cfg.trainer.distributed_timeout_s), run_lock(cfg.log_path), \
-                run_process_state() as stop:
+                run_process_state() as stop, trainer_protected():  # no process of this user reads its memory
             return run_abandoning_stragglers(stop.guard(run_recipe(
                 loop, cfg, rows, rollout_fn_factory, evaluation_fn=evaluation_fn, rollout_extras=rollout_extras,
                 dynamic_filter_fn=dynamic_filter_fn)))
@@ -350,7 +350,6 @@ def run_abandoning_stragglers(main: Coroutine[Any, Any, T], *, grace_s: float | 
 
 async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], rollout_fn_factory, *,
                      evaluation_fn, rollout_extras, **loop_kwargs) -> dict[str, Any]:
-    protect_trainer()  # no process of this user reads this one's memory (the deployment's secret, session keys)
     sandbox = choose_sandbox(cfg.agent_sandbox, console=cfg.progress)  # `required` without one stops here
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
