@@ -45,7 +45,7 @@ from pathlib import Path
 
 import training
 
-training.set_openmp_wait_policy()  # before torch loads (training/utils/openmp.py)
+training.set_openmp_wait_policy()  # before torch loads (training/utils/runtime/openmp.py)
 
 import numpy as np
 import torch
@@ -54,12 +54,12 @@ import transformers
 from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn as make_addition_rollout_fn
 from training.examples.rl.single_turn_token_in.train import read_rows as read_addition_rows
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import SamplingConfig, TrainerConfig
-from training.utils.logging import read_ledger
-from training.utils.model import load_model_and_tokenizer
+from training.utils.config.rl import SamplingConfig, TrainerConfig
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import make_test_tokenizer, tiny_config
 from training.utils.rl.rollout.types import RolloutRun, make_prompt_group, sample_from_completion
 from training.utils.rl.train_step import KLCoefficient, train_batch
-from training.utils.tiny_model import make_test_tokenizer, tiny_config
+from training.utils.run_files.logging import read_ledger
 from training.utils.trainer import Trainer
 
 

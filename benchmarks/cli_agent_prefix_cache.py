@@ -27,8 +27,8 @@ from training.examples.rl.cli_agent import task, train
 from training.examples.rl.cli_agent.clis import CLIS
 from training.examples.rl.cli_agent.rollout import make_rollout_fn
 from training.recipes import async_rl_loop
-from training.utils.config import SamplingConfig, TrainerConfig
-from training.utils.logging import read_ledger
+from training.utils.config.rl import SamplingConfig, TrainerConfig
+from training.utils.run_files.logging import read_ledger
 
 BUDGETS = {"8192 (old default)": 8192, "default (4 x context)": None}
 KEYS = ("perf/prompt_tokens", "perf/engine_prefill_tokens", "perf/prefix_cache_hit_tokens")

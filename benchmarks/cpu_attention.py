@@ -1,4 +1,4 @@
-"""The CPU attention paths (`training/utils/cpu_attention.py`) vs torch's sdpa, side by side in one run: the
+"""The CPU attention paths (`training/utils/models/cpu_attention.py`) vs torch's sdpa, side by side in one run: the
 embedded engine's decode and prefill (`cpu_decode_sdpa`), and the trainer's forward + backward (`cpu_sdpa`).
 
 Engine: one engine, its model's attention switched between the two before each batch, the batches alternating. A
@@ -34,11 +34,11 @@ import time
 import torch
 from trainer_throughput import grouped_datums, pg_loss, rl_shaped_datums
 
-import training.utils.cpu_attention as cpu_attention
-from training.utils.config import DeploymentConfig, TrainerConfig
+import training.utils.models.cpu_attention as cpu_attention
+from training.utils.config.rl import DeploymentConfig, TrainerConfig
 from training.utils.deploy import engine_dtype
 from training.utils.deploy.engine import Engine
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
 from training.utils.trainer import Trainer
 
 IMPLEMENTATIONS = {"sdpa": "sdpa", "cpu_decode_sdpa": cpu_attention.DECODE_NAME}

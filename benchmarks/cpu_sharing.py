@@ -6,7 +6,8 @@ only pays as far as the two together get more done per second than either alone.
 shape (SmolLM2-135M-Instruct; one unit of training is `forward_backward` + `optim_step` over 4 prompts x 8 draws of
 47 + 24 tokens, one unit of sampling is 32 draws of 24 tokens from 46-token prompts), in the recipes' arrangement:
 the trainer on a thread of its own, the engine on its thread, halving its threads while the trainer computes
-(`training/utils/cpu_share.py`). Every draw runs to its 24 tokens (the engine's end-of-sequence ids are cleared), so
+(`training/utils/runtime/cpu_share.py`). Every draw runs to its 24 tokens (the engine's end-of-sequence ids are
+cleared), so
 each unit is the same work.
 
 1. Alone: `--units` units of training, then of sampling (the engine on all its threads, as in `rl_loop`).
@@ -41,10 +42,10 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from trainer_throughput import grouped_datums, pg_loss  # noqa: E402 - TRL's task shape ("trl"), and its loss
 
-from training.utils import cpu_share  # noqa: E402
-from training.utils.config import DeploymentConfig, TrainerConfig  # noqa: E402
+from training.utils.config.rl import DeploymentConfig, TrainerConfig  # noqa: E402
 from training.utils.deploy import Engine, engine_dtype  # noqa: E402
-from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer  # noqa: E402
+from training.utils.models.load import SMOLLM2_ALIAS, load_model_and_tokenizer  # noqa: E402
+from training.utils.runtime import cpu_share  # noqa: E402
 from training.utils.trainer import Trainer  # noqa: E402
 
 PROMPTS, DRAWS, PROMPT_TOKENS, NEW_TOKENS = 4, 8, 46, 24

@@ -17,13 +17,13 @@ import time
 
 import training
 
-training.set_openmp_wait_policy()  # before torch loads (training/utils/openmp.py)
+training.set_openmp_wait_policy()  # before torch loads (training/utils/runtime/openmp.py)
 
 import torch
 
-from training.utils import cpu_attention
 from training.utils.deploy.decode import KVBatch
-from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer
+from training.utils.models import cpu_attention
+from training.utils.models.load import SMOLLM2_ALIAS, load_model_and_tokenizer
 
 
 def shape(text: str) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import training
 
-training.set_openmp_wait_policy()  # before torch loads (training/utils/openmp.py)
+training.set_openmp_wait_policy()  # before torch loads (training/utils/runtime/openmp.py)
 
 import torch
 
@@ -38,7 +38,7 @@ from sampler_throughput import make_prompts, useful_tokens  # noqa: E402
 from real_engines import running_vllm_server, vllm_venv  # noqa: E402
 from training import DeploymentConfig, load_model_and_tokenizer  # noqa: E402
 from training.utils.deploy import start_deployment  # noqa: E402
-from training.utils.model import SMOLLM2_ALIAS, cache_dir  # noqa: E402
+from training.utils.models.load import SMOLLM2_ALIAS, cache_dir  # noqa: E402
 
 
 async def tokens_per_s(deployment, prompts: list[list[int]], max_tokens: int, eos: int | None) -> dict:

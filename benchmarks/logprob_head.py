@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from training.utils.model import default_device, native_bf16
+from training.utils.models.load import default_device, native_bf16
 from training.utils.trainer.logprob_head import token_logprobs
 
 

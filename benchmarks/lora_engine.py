@@ -26,16 +26,16 @@ import copy
 
 import training
 
-training.set_openmp_wait_policy()  # before torch loads (training/utils/openmp.py)
+training.set_openmp_wait_policy()  # before torch loads (training/utils/runtime/openmp.py)
 
 import torch
 
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy import start_embedded_deployment
-from training.utils.frozen_casts import keep_casts
-from training.utils.lora import frozen_matmul_weights, shared_base_copy, standalone_copy, wrap_with_lora
-from training.utils.lora_layers import use_peft_forward
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.frozen_casts import keep_casts
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.lora import frozen_matmul_weights, shared_base_copy, standalone_copy, wrap_with_lora
+from training.utils.models.lora_layers import use_peft_forward
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KEYS = ("prefill_time_s", "prefill_tokens", "decode_time_s", "decode_steps")

@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from training.utils import machine_peak
-from training.utils.model import cache_dir, default_device
+from training.utils.models.load import cache_dir, default_device
+from training.utils.runtime import machine_peak
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from training import DeploymentConfig, load_tokenizer, read_jsonl, rollout_evalu
 from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn  # noqa: E402
 from training.examples.rl.single_turn_token_in.train import DATA, cfg as main_job  # noqa: E402
 from training.recipes.async_rl_loop import main  # noqa: E402
-from training.utils.model import SMOLLM2_ALIAS, cache_dir  # noqa: E402
+from training.utils.models.load import SMOLLM2_ALIAS, cache_dir  # noqa: E402
 
 
 def run(cfg, label: str) -> dict:

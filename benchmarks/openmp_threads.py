@@ -43,9 +43,9 @@ def measure(arrangement: str, model_name: str, rows: int, context: int, steps: i
     import torch
     from decode_attention import ms_per_step
 
-    from training.utils.cpu_attention import DECODE_CHUNK_BYTES, DECODE_NAME, use_cpu_attention
     from training.utils.deploy.decode import KVBatch
-    from training.utils.model import load_model_and_tokenizer
+    from training.utils.models.cpu_attention import DECODE_CHUNK_BYTES, DECODE_NAME, use_cpu_attention
+    from training.utils.models.load import load_model_and_tokenizer
 
     torch.set_num_threads(1 if arrangement == "thread, main idle" else threads)
     model, _ = load_model_and_tokenizer(model_name, device="cpu", dtype=torch.float32)

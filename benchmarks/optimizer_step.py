@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
 from training.utils.trainer.optim import max_abs
 
 

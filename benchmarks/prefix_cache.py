@@ -28,7 +28,7 @@ import time
 
 from sampler_throughput import load  # benchmarks/ is on sys.path: it holds the script being run
 
-from training.utils.config import RLConfig
+from training.utils.config.rl import RLConfig
 from training.utils.deploy import start_deployment
 from training.utils.rl.startup import make_rollout_setup
 from training.utils.rl.telemetry import EngineCounters

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the real-engine launchers the real_vl
 from real_engines import VLLMProcess, router_venv, running_router, vllm_venv  # noqa: E402
 from training import DeploymentConfig, load_tokenizer  # noqa: E402
 from training.utils.deploy import start_deployment  # noqa: E402
-from training.utils.model import SMOLLM2_ALIAS, cache_dir, load_model_and_tokenizer  # noqa: E402
+from training.utils.models.load import SMOLLM2_ALIAS, cache_dir, load_model_and_tokenizer  # noqa: E402
 
 
 async def measure(cfg: DeploymentConfig, model, tokenizer, prompts, *, tokens: int, syncs: int) -> dict:

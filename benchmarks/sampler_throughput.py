@@ -31,13 +31,13 @@ import time
 
 import training
 
-training.set_openmp_wait_policy()  # before torch loads (training/utils/openmp.py)
+training.set_openmp_wait_policy()  # before torch loads (training/utils/runtime/openmp.py)
 
 import torch
 
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy import DiskWeightSync, start_embedded_deployment
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
 
 
 def make_prompts(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -108,7 +108,7 @@ def load(model_name: str, random_init: bool = False, device: str | None = None) 
         return load_model_and_tokenizer(model_name, device=device)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from training.utils.model import default_device, default_dtype, load_tokenizer
+    from training.utils.models.load import default_device, default_dtype, load_tokenizer
 
     device = torch.device(device) if device else default_device()
     config = AutoConfig.from_pretrained(model_name, local_files_only=True)

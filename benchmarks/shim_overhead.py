@@ -43,15 +43,15 @@ import time
 
 import training
 
-training.set_openmp_wait_policy()  # before torch loads (training/utils/openmp.py)
+training.set_openmp_wait_policy()  # before torch loads (training/utils/runtime/openmp.py)
 
 import aiohttp
 import numpy as np
 import torch
 
-from training.utils.config import AgentShimConfig, DeploymentConfig
+from training.utils.config.rl import AgentShimConfig, DeploymentConfig
 from training.utils.deploy import start_embedded_deployment
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
 from training.utils.rl.agent import AgentShim
 
 WIRES = ("openai", "anthropic", "responses")

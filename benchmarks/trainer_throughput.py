@@ -32,7 +32,7 @@ twenty-sixth session). `--shape` builds a randomly initialized model of a known 
 `--model` loads an alias or a local directory instead. Tokens/s counts real (unpadded) tokens;
 `computed` is what the trainer ran through the model (`forward_backward`'s "tokens_computed").
 
-`model_mfu` is what a run's `perf/trainer_mfu` reads: the model FLOPs the trainer counts (`training.utils.flops`:
+`model_mfu` is what a run's `perf/trainer_mfu` reads: the model FLOPs the trainer counts (`training.utils.models.flops`:
 what was computed, LoRA's frozen weights without weight gradients) over `forward_backward`'s time and the machine's
 measured peak for the compute dtype (`machine_peak.py`). The other columns compare layouts and variants:
 MFU = useful FLOPs / time / peak, with useful FLOPs per step = 6 × (decoder matmul parameters ×
@@ -56,9 +56,9 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from training.utils import machine_peak  # noqa: E402
-from training.utils.config import TrainerConfig  # noqa: E402
-from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer  # noqa: E402
+from training.utils.config.rl import TrainerConfig  # noqa: E402
+from training.utils.models.load import SMOLLM2_ALIAS, load_model_and_tokenizer  # noqa: E402
+from training.utils.runtime import machine_peak  # noqa: E402
 from training.utils.trainer import Datum, MicroBatch, Trainer, weight_dtype  # noqa: E402
 from training.utils.trainer.precision import compute_dtype, resolve_precision  # noqa: E402
 
@@ -219,7 +219,7 @@ def time_layout(model, datums, args, device, layout: str, variants: list[str]) -
                             **variant_fields(variant, args))
         trainers[variant] = trainer = Trainer(copy.deepcopy(model), cfg)
         if "+peft" in variant:
-            from training.utils.lora_layers import use_peft_forward
+            from training.utils.models.lora_layers import use_peft_forward
 
             use_peft_forward(trainer.model)
     for trainer in trainers.values():

@@ -107,7 +107,7 @@ def run_trl(options: dict, steps: int, out_dir: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from training.examples.rl.single_turn_token_in.verifier import score
-    from training.utils.model import resolve_model_source, set_offline
+    from training.utils.models.load import resolve_model_source, set_offline
 
     set_offline()
     model_dir = str(resolve_model_source("smollm2-135m-instruct"))
@@ -161,7 +161,7 @@ def run_trl(options: dict, steps: int, out_dir: Path) -> dict:
 # ---- our side ---------------------------------------------------------------------------------------------
 
 def run_ours(options: dict, steps: int, out_dir: Path) -> dict:
-    # OpenMP's wait policy before torch loads, as the examples set it (training/utils/openmp.py).
+    # OpenMP's wait policy before torch loads, as the examples set it (training/utils/runtime/openmp.py).
     import logging  # noqa: I001
 
     import training
@@ -172,9 +172,9 @@ def run_ours(options: dict, steps: int, out_dir: Path) -> dict:
     from training.examples.rl.single_turn_token_in.rollout import make_rollout_fn
     from training.examples.rl.single_turn_token_in.train import read_rows
     from training.recipes import async_rl_loop, rl_loop
-    from training.utils.config import SamplingConfig, TrainerConfig
-    from training.utils.logging import read_ledger
-    from training.utils.model import native_bf16
+    from training.utils.config.rl import SamplingConfig, TrainerConfig
+    from training.utils.models.load import native_bf16
+    from training.utils.run_files.logging import read_ledger
 
     logging.getLogger("training").setLevel(logging.ERROR)
     recipe = {"rl_loop": rl_loop, "async_rl_loop": async_rl_loop}[options["recipe"]]

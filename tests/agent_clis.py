@@ -22,7 +22,7 @@ import torch
 
 from real_engines import exclusive_lock
 from training.examples.rl.cli_agent.clis import CLIS
-from training.utils.model import cache_dir, load_model_and_tokenizer, load_tokenizer
+from training.utils.models.load import cache_dir, load_model_and_tokenizer, load_tokenizer
 
 CONTEXT_TOKENS = 131_072
 """The context of `save_long_context_tiny`'s model: room for a CLI's first prompt and many turns after it."""

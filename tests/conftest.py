@@ -1,6 +1,6 @@
 """Shared test setup: tests use tiny models, where one intra-op thread beats two on a 2-core box."""
 
-# OpenMP's wait policy before torch loads, as the examples set it (training/utils/openmp.py).
+# OpenMP's wait policy before torch loads, as the examples set it (training/utils/runtime/openmp.py).
 import gc  # noqa: I001
 import os  # noqa: I001
 import shutil  # noqa: I001

@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy import Engine, start_embedded_deployment
-from training.utils.model import load_model_and_tokenizer
-from training.utils.tiny_model import tiny_config
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 
 LATE_S = 10.0
 """A server's deadline never fires early; on a loaded machine it may fire late, never this late."""

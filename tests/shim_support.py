@@ -20,11 +20,11 @@ import anthropic
 import openai
 import torch
 
-from training.utils.config import AgentShimConfig, DeploymentConfig
+from training.utils.config.rl import AgentShimConfig, DeploymentConfig
 from training.utils.deploy import Completion, start_embedded_deployment
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 from training.utils.rl.agent import AgentShim
-from training.utils.tiny_model import tiny_config
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 ASSISTANT_HEADER = f"{IM_START}assistant\n"

@@ -39,12 +39,12 @@ import torch
 from training.examples.rl.blackbox_agent import make_data
 from training.examples.rl.blackbox_agent.rollout import make_rollout_fn
 from training.recipes import async_rl_loop
-from training.utils.config import AgentShimConfig, DeploymentConfig, SamplingConfig, TrainerConfig
-from training.utils.jsonl import write_jsonl
-from training.utils.memory import current_rss_bytes
-from training.utils.model import load_model_and_tokenizer
-from training.utils.sandbox import choose_sandbox
-from training.utils.tiny_model import make_test_tokenizer, tiny_config
+from training.utils.config.rl import AgentShimConfig, DeploymentConfig, SamplingConfig, TrainerConfig
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import make_test_tokenizer, tiny_config
+from training.utils.run_files.jsonl import write_jsonl
+from training.utils.runtime.memory import current_rss_bytes
+from training.utils.sandbox.namespaces import choose_sandbox
 
 ATTACKER = Path(__file__).with_name("attack_agent.py")
 MEMORY_BOUND = 200 * 2**20
@@ -196,7 +196,7 @@ def test_every_attack_fails_from_inside_a_run(tmp_path, monkeypatch, backend):
     """`auto`: the machine's first sandbox (bubblewrap where installed); `unshare`: as on a machine without it."""
     if backend == "unshare":
         which = shutil.which
-        monkeypatch.setattr("training.utils.sandbox.shutil.which",
+        monkeypatch.setattr("training.utils.sandbox.namespaces.shutil.which",
                             lambda name: None if name == "bwrap" else which(name))
     outcome = run_attacked(tmp_path)
     print(f"attack run ({outcome['sandbox']}, uid {os.getuid()}): RSS {outcome['rss_before'] / 2**20:.0f} MiB before "

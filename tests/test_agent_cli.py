@@ -26,10 +26,10 @@ from shim_support import scripted, shim_stack
 from training.examples.rl.cli_agent import task
 from training.examples.rl.cli_agent.rollout import make_rollout_fn
 from training.recipes import async_rl_loop
-from training.utils.config import AgentShimConfig, SamplingConfig
-from training.utils.logging import read_ledger
-from training.utils.model import load_model_and_tokenizer, smollm2_available
+from training.utils.config.rl import AgentShimConfig, SamplingConfig
+from training.utils.models.load import load_model_and_tokenizer, smollm2_available
 from training.utils.rl.rollout.types import RolloutSetup, validate_run
+from training.utils.run_files.logging import read_ledger
 
 pytestmark = [
     pytest.mark.agent_cli,

@@ -1,4 +1,5 @@
-"""The agent sandbox (`training/utils/sandbox.py`) on each backend this machine has, the shim's keys bound to an
+"""The agent sandbox (`training/utils/sandbox/namespaces.py`) on each backend this machine has, the shim's keys
+bound to an
 agent's socket, and the trainer not dumpable: each checked by what an agent inside can or cannot do."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from shim_support import make_tiny, shim_stack
 from training.utils.errors import ConfigError
-from training.utils.sandbox import AgentSandbox, _probe, choose_sandbox
+from training.utils.sandbox.namespaces import AgentSandbox, _probe, choose_sandbox
 
 BACKENDS = [kind for kind in ("bwrap", "unshare") if sys.platform == "linux" and _probe(AgentSandbox(kind)) is None]
 PROBE = """\
@@ -175,7 +176,7 @@ def test_connections_past_a_listeners_cap_are_closed_as_they_open():
 def test_the_trainer_is_not_dumpable():
     """`protect_trainer` clears the process's dumpable flag (`PR_GET_DUMPABLE` 0), so another process of its user
     (not root: root keeps `CAP_SYS_PTRACE`) cannot open its `/proc/<pid>/mem`."""
-    code = ("import ctypes; from training.utils.sandbox import protect_trainer; protect_trainer(); "
+    code = ("import ctypes; from training.utils.sandbox.namespaces import protect_trainer; protect_trainer(); "
             "print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))")  # PR_GET_DUMPABLE
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             env=os.environ | {"PYTHONPATH": str(Path(__file__).parent.parent)})

@@ -26,7 +26,7 @@ from shim_support import (
     shim_stack,
     trained_tokens,
 )
-from training.utils.config import AgentShimConfig, RLConfig
+from training.utils.config.rl import AgentShimConfig, RLConfig
 from training.utils.rl.agent.chat_request import ChatRequest
 from training.utils.rl.agent.hermes import tools_system_text
 

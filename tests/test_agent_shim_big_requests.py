@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from shim_support import make_tiny, shim_stack
-from training.utils.config import AgentShimConfig
+from training.utils.config.rl import AgentShimConfig
 from training.utils.rl.agent import ChatFormat, ChatRequest
 from training.utils.rl.agent.request_body import BODY_FLOOR_BYTES, body_limit, longest_token_bytes, text_token_floor
 from training.utils.rl.agent.session import ShimSession

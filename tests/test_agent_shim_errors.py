@@ -27,7 +27,7 @@ from shim_support import (
     trained_tokens,
     wait_until,
 )
-from training.utils.config import AgentShimConfig
+from training.utils.config.rl import AgentShimConfig
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 from training.utils.rl.agent import AgentShim, TraceIntegrityError
 from training.utils.rl.agent.prompt import SessionPrompts

@@ -24,7 +24,7 @@ import pytest
 
 from engine_support import LATE_S, closed_after
 from shim_support import anthropic_client, make_tiny, shim_stack
-from training.utils.config import AgentShimConfig
+from training.utils.config.rl import AgentShimConfig
 from training.utils.errors import RecoverableRolloutError
 from training.utils.rl.agent.request_body import BodyBudget
 from training.utils.rl.agent.sessions import SessionExpiredError, SessionLimitError

@@ -15,7 +15,7 @@ import pytest
 
 from shim_support import make_tiny, shim_stack
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
+from training.utils.config.rl import AgentShimConfig, SamplingConfig, TrainerConfig
 from training.utils.errors import ConfigError
 
 SESSIONS, TURNS = 200, 5

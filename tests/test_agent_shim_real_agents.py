@@ -32,7 +32,7 @@ from shim_support import (
 )
 from training.examples.rl.blackbox_agent import rollout
 from training.examples.rl.blackbox_agent.rollout import AgentResult
-from training.utils.config import AgentShimConfig, DeploymentConfig
+from training.utils.config.rl import AgentShimConfig, DeploymentConfig
 from training.utils.deploy import start_embedded_deployment
 from training.utils.rl.agent import AgentShim
 from training.utils.rl.rollout.types import RolloutSetup

@@ -16,7 +16,8 @@ import pytest
 from aiohttp import web
 
 from training.utils.deploy.completion import Completion
-from training.utils.model import load_tokenizer, smollm2_available
+from training.utils.models.load import load_tokenizer, smollm2_available
+from training.utils.models.tiny import CHATML_TEMPLATE, make_test_tokenizer
 from training.utils.rl.agent.chat_format import ChatFormat
 from training.utils.rl.agent.chat_request import ChatRequest, UnseenPart, WireError
 from training.utils.rl.agent.hermes import ParsedOutput, parse_assistant_text, tools_system_text
@@ -36,7 +37,6 @@ from training.utils.rl.agent.wire_openai import (
 )
 from training.utils.rl.rollout.messages import ChatAssembler, ChatTemplateError
 from training.utils.rl.rollout.turn_matching import normalize_message
-from training.utils.tiny_model import CHATML_TEMPLATE, make_test_tokenizer
 
 READ_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 READ_TOOL = {"type": "function", "function": {"name": "read", "description": "Read a file", "parameters": READ_SCHEMA}}

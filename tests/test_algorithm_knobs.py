@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from numerics_support import ADAM_WEIGHTS_ATOL
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import OverlongConfig, SamplingConfig, TrainerConfig
-from training.utils.logging import read_ledger
-from training.utils.model import load_model_and_tokenizer
+from training.utils.config.rl import OverlongConfig, SamplingConfig, TrainerConfig
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 from training.utils.rl.rollout.types import RolloutRun, make_prompt_group, sample_from_completion
 from training.utils.rl.train_step import (
     BatchUpdate,
@@ -27,7 +27,7 @@ from training.utils.rl.train_step import (
     pack_groups,
     train_batch,
 )
-from training.utils.tiny_model import tiny_config
+from training.utils.run_files.logging import read_ledger
 from training.utils.trainer import Datum, MicroBatch, Trainer
 
 

@@ -1,4 +1,4 @@
-"""The restart under mimalloc (training/utils/allocator.py): when it happens, what the restarted process and its
+"""The restart under mimalloc (training/utils/runtime/allocator.py): when it happens, what the restarted process and its
 children see, and when it must not happen. The restarts are real: a script in a subprocess, exec'd again."""
 
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from training.utils import allocator
 from training.utils.errors import ConfigError
+from training.utils.runtime import allocator
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the allocator is preloaded on Linux")
 
@@ -20,11 +20,11 @@ SCRIPT = """
 import ctypes, json, os, subprocess, sys
 with open(sys.argv[1], "a") as runs:
     runs.write("run\\n")
-from training.utils.allocator import active_allocator, restart_with_allocator
+from training.utils.runtime.allocator import active_allocator, restart_with_allocator
 if __name__ == "__main__":
     restart_with_allocator()
     import torch
-    from training.utils.memory import malloc_free_bytes
+    from training.utils.runtime.memory import malloc_free_bytes
     kept = torch.ones(1 << 22)  # 16 MiB of torch buffers, allocated by whichever malloc the process has
     names = ("LD_PRELOAD", "MIMALLOC_ALLOW_THP", "MIMALLOC_PURGE_DELAY", "TRAINING_ALLOCATOR_RESTARTED")
     probe = "import json, os; print(json.dumps({k: os.environ.get(k) for k in %r}))" % (names,)

@@ -18,11 +18,11 @@ from training.utils.errors import (
     RolloutContractError,
     SkippedStepsError,
 )
-from training.utils.logging import read_ledger
 from training.utils.rl import training_run
 from training.utils.rl.losses import POLICY_LOSSES
 from training.utils.rl.rollout import invoke
 from training.utils.rl.rollout.types import RolloutSample, sample_from_completion
+from training.utils.run_files.logging import read_ledger
 
 
 def cfg(tmp_path, **overrides):

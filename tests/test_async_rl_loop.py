@@ -8,9 +8,9 @@ from safetensors.torch import load_file
 
 from numerics_support import ADAM_WEIGHTS_ATOL
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import SamplingConfig, TrainerConfig
-from training.utils.logging import read_ledger
+from training.utils.config.rl import SamplingConfig, TrainerConfig
 from training.utils.rl.rollout.types import sample_from_completion
+from training.utils.run_files.logging import read_ledger
 
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(8)]
 
@@ -179,7 +179,7 @@ def test_synchronous_training_is_on_policy_whatever_the_default_o():
 
 
 def test_tis_is_on_by_default_off_policy_and_off_when_written_off():
-    from training.utils.config import TISConfig
+    from training.utils.config.rl import TISConfig
 
     assert async_rl_loop.Config(max_head_offpolicy_versions=1).tis == TISConfig()
     assert async_rl_loop.Config(max_head_offpolicy_versions=1).tis.level == "token"

@@ -5,10 +5,10 @@ import logging
 
 import pytest
 
-from training.utils.logging import RunLogger, plot_ledger, read_ledger
 from training.utils.rl.health import RunHealth
 from training.utils.rl.rollout.types import RolloutRun, make_prompt_group, sample_from_completion
 from training.utils.rl.telemetry import perf_metrics, version_offset_metrics
+from training.utils.run_files.logging import RunLogger, plot_ledger, read_ledger
 
 
 def group(submit_version, token_versions=None):

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.utils import atomic_dir
 from training.utils.errors import ConfigError
+from training.utils.run_files import atomic_dir
 
 WATCHED = ("open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree")
 OLD, NEW = 1, 2
@@ -29,8 +29,8 @@ OLD, NEW = 1, 2
 
 
 def tiny_trainer(seed: int):
-    from training.utils.config import TrainerConfig
-    from training.utils.model import load_model_and_tokenizer
+    from training.utils.config.rl import TrainerConfig
+    from training.utils.models.load import load_model_and_tokenizer
     from training.utils.trainer import Trainer
 
     torch.manual_seed(seed)
@@ -120,7 +120,7 @@ ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(
 def run(log_path: Path, output_dir: Path) -> dict:
     """Two steps of rl_loop on the tiny model with scripted rollouts, a checkpoint after each, then the export."""
     from training.recipes import rl_loop
-    from training.utils.config import SamplingConfig
+    from training.utils.config.rl import SamplingConfig
     from training.utils.rl.rollout.types import sample_from_completion
 
     def make_rollout_fn(setup):

@@ -34,14 +34,14 @@ from training.examples.rl.blackbox_agent.rollout import (
     run_agent,
 )
 from training.recipes import async_rl_loop
-from training.utils.config import AgentShimConfig, SamplingConfig, TrainerConfig
+from training.utils.config.rl import AgentShimConfig, SamplingConfig, TrainerConfig
 from training.utils.deploy import shares_lora_base
 from training.utils.errors import ConfigError, RecoverableRolloutError
-from training.utils.logging import read_ledger
-from training.utils.model import load_model_and_tokenizer, smollm2_available
+from training.utils.models.load import load_model_and_tokenizer, smollm2_available
+from training.utils.models.tiny import make_test_tokenizer, tiny_config
 from training.utils.rl.rollout.types import RolloutSetup
-from training.utils.sandbox import choose_sandbox
-from training.utils.tiny_model import make_test_tokenizer, tiny_config
+from training.utils.run_files.logging import read_ledger
+from training.utils.sandbox.namespaces import choose_sandbox
 from training.utils.trainer import Trainer
 
 # ---------------------------------------------------------------------------- the agent's format check

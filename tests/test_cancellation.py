@@ -112,9 +112,9 @@ def test_disk_weight_sync_write_keeps_its_cancel(tmp_path, monkeypatch):
 
 
 def test_engine_generate_keeps_a_cancel_arriving_with_its_completion():
-    from training.utils.config import DeploymentConfig
+    from training.utils.config.rl import DeploymentConfig
     from training.utils.deploy import Engine
-    from training.utils.model import load_model_and_tokenizer
+    from training.utils.models.load import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer("tiny-random")
     engine = Engine(copy.deepcopy(model), tokenizer, DeploymentConfig())
@@ -225,10 +225,10 @@ def test_evaluation_keeps_its_cancel():
 
 
 def test_the_shim_queue_and_its_threads_keep_their_cancel():
-    from training.utils.config import AgentShimConfig
+    from training.utils.config.rl import AgentShimConfig
+    from training.utils.models.tiny import make_test_tokenizer
     from training.utils.rl.agent.request_body import RequestWorkers
     from training.utils.rl.agent.turn_queue import TurnQueue
-    from training.utils.tiny_model import make_test_tokenizer
 
     def queued_behind_another(wait_of):
         async def start():

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from training.utils.checkpoint import MANIFEST_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
-from training.utils.config import RLConfig, TrainerConfig
+from training.utils.config.rl import RLConfig, TrainerConfig
 from training.utils.errors import CheckpointError
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
 from training.utils.rl.startup import restore
+from training.utils.run_files.checkpoint import MANIFEST_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from training.utils.trainer import Trainer
 
-CHECKPOINT_LOG = "training.utils.checkpoint"
+CHECKPOINT_LOG = "training.utils.run_files.checkpoint"
 
 
 def fresh_trainer() -> Trainer:

@@ -22,7 +22,7 @@ from training.examples.rl.cli_agent.clis import CLIS, Run
 from training.examples.rl.cli_agent.rollout import chosen_cli, make_rollout_fn, run_cli
 from training.utils.errors import ConfigError, RecoverableRolloutError
 from training.utils.rl.rollout.types import RolloutSetup
-from training.utils.sandbox import OUTPUT_KEPT_BYTES, AgentSandbox, choose_sandbox
+from training.utils.sandbox.namespaces import OUTPUT_KEPT_BYTES, AgentSandbox, choose_sandbox
 
 SECRETS = {"ANTHROPIC_AUTH_TOKEN": "real-token", "OPENAI_API_KEY": "real-key", "WANDB_API_KEY": "wandb-key",
            "HF_TOKEN": "hf-token", "AWS_SECRET_ACCESS_KEY": "aws-secret"}

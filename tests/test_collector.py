@@ -1,4 +1,4 @@
-"""The cyclic collector around imports and runs (training/utils/collector.py)."""
+"""The cyclic collector around imports and runs (training/utils/runtime/collector.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from training.utils import collector
+from training.utils.runtime import collector
 
 
 class Node:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from training.utils.config import (
+from training.utils.config.rl import (
     AgentShimConfig,
     DeploymentConfig,
     RLConfig,
@@ -108,7 +108,7 @@ def test_building_a_config_imports_no_torch():
     registry-backed field set (and a user loss's check) is built in a process that never imports torch."""
     code = """
 import sys
-from training.utils.config import RLConfig, TISConfig
+from training.utils.config.rl import RLConfig, TISConfig
 cfg = RLConfig(policy_loss="dapo", dual_clip_c=3.0, advantage_estimator="rloo", loss_agg_mode="seq_mean_token_mean",
                kl_beta=0.1, kl_estimator="k2", tis=TISConfig(level="sequence"), completions_per_prompt=2)
 for bad in ({"policy_loss": "ppo"}, {"eps_clip": 1.5}, {"policy_loss": "dro", "dro_beta": -1.0}):

@@ -10,8 +10,8 @@ from pydantic import BaseModel, ValidationError
 
 from training.recipes import async_rl_loop, rl_loop
 from training.utils import DeployConfig, InfraConfig, RunnerConfig, TrainerConfig, WandBConfig, WeightSyncConfig
-from training.utils.config import RLConfig
-from training.utils.cookbook_config import ALIASES, COOKBOOK_FIELDS, FOREIGN_NAMES, CookbookSettingWarning
+from training.utils.config.cookbook import ALIASES, COOKBOOK_FIELDS, FOREIGN_NAMES, CookbookSettingWarning
+from training.utils.config.rl import RLConfig
 from training.utils.rl import TISConfig
 
 Config = async_rl_loop.Config
@@ -234,6 +234,6 @@ def test_no_cookbook_name_is_a_field_of_ours(model, parent):
 
 
 def test_the_cookbooks_import_locations_are_our_classes():
-    from training.utils.config import DeploymentConfig, TISConfig as OurTIS
-    from training.utils.trainer_config import TrainerConfig as OurTrainer
+    from training.utils.config.rl import DeploymentConfig, TISConfig as OurTIS
+    from training.utils.config.trainer import TrainerConfig as OurTrainer
     assert (DeployConfig, TrainerConfig, TISConfig) == (DeploymentConfig, OurTrainer, OurTIS)

@@ -14,10 +14,10 @@ import pytest
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.sampled_completion import SampledCompletion, sample_arguments
 from training.utils.errors import RolloutContractError
-from training.utils.logging import read_ledger
 from training.utils.rl.health import RunHealth
 from training.utils.rl.rollout.invoke import run_draw
 from training.utils.rl.rollout.types import RolloutSample, make_prompt_group, validate_run
+from training.utils.run_files.logging import read_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 

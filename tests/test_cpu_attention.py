@@ -4,12 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import training.utils.cpu_attention as cpu_attention
-from training.utils.config import DeploymentConfig, TrainerConfig
-from training.utils.cpu_attention import DECODE_NAME, NAME
+import training.utils.models.cpu_attention as cpu_attention
+from training.utils.config.rl import DeploymentConfig, TrainerConfig
 from training.utils.deploy.engine import Engine
-from training.utils.model import load_model_and_tokenizer
-from training.utils.tiny_model import make_test_tokenizer, tiny_config
+from training.utils.models.cpu_attention import DECODE_NAME, NAME
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import make_test_tokenizer, tiny_config
 from training.utils.trainer import Datum, Trainer
 
 

@@ -1,6 +1,6 @@
 """While a trainer computes on the CPU, the embedded engine runs half of its torch threads; otherwise all of
 them, and the trainer always all of its own; the shared clock runs while both compute
-(training/utils/cpu_share.py)."""
+(training/utils/runtime/cpu_share.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from engine_support import peaked_tiny
-from training.utils import cpu_share
-from training.utils.config import DeploymentConfig, TrainerConfig
+from training.utils.config.rl import DeploymentConfig, TrainerConfig
 from training.utils.deploy import Engine
-from training.utils.model import load_model_and_tokenizer
-from training.utils.tiny_model import tiny_config
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
+from training.utils.runtime import cpu_share
 from training.utils.trainer import Datum, Trainer
 
 

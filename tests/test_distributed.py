@@ -32,7 +32,7 @@ ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(
 
 
 def rl_cfg():
-    from training.utils.config import RLConfig, TrainerConfig
+    from training.utils.config.rl import RLConfig, TrainerConfig
 
     # A small token budget and logprob chunk force several micro-batches and chunks per call.
     return RLConfig(model="tiny-random", ppo_minibatches=2, trainer=TrainerConfig(
@@ -40,8 +40,8 @@ def rl_cfg():
 
 
 def make_policy(seed: int = 0):
-    from training.utils.model import load_model_and_tokenizer
-    from training.utils.tiny_model import tiny_config
+    from training.utils.models.load import load_model_and_tokenizer
+    from training.utils.models.tiny import tiny_config
     from training.utils.trainer import Trainer
 
     torch.manual_seed(seed)
@@ -52,8 +52,8 @@ def make_policy(seed: int = 0):
 def make_lora_policy(seed: int = 0):
     """A LoRA policy (rank 4) on the same tiny model, checkpointed (so the frozen base matmul that skips its
     recomputation runs on sharded parameters too); a high learning rate so the adapters move."""
-    from training.utils.model import load_model_and_tokenizer
-    from training.utils.tiny_model import tiny_config
+    from training.utils.models.load import load_model_and_tokenizer
+    from training.utils.models.tiny import tiny_config
     from training.utils.trainer import Trainer
 
     torch.manual_seed(seed)
@@ -115,7 +115,7 @@ def _full(tensor):
 
 
 def recipe_cfg(module, log_path, **overrides):
-    from training.utils.config import SamplingConfig, TrainerConfig
+    from training.utils.config.rl import SamplingConfig, TrainerConfig
 
     fields = dict(model="tiny-random", completions_per_prompt=4, prompt_groups_per_step=2, max_steps=3,
                   log_path=str(log_path), sampling=SamplingConfig(max_tokens=4, timeout_s=30),
@@ -129,7 +129,7 @@ def async_cfg(log_path, **overrides):
     """O = 0 fixes which rows form each batch; one minibatch keeps the update independent of their order.
     Two chunks per batch (gradients accumulated chunk by chunk) and activation checkpointing."""
     from training.recipes import async_rl_loop
-    from training.utils.config import TrainerConfig
+    from training.utils.config.rl import TrainerConfig
 
     trainer = TrainerConfig(learning_rate=1e-3, max_tokens_per_microbatch=12, gradient_checkpointing=True)
     fields = dict(max_head_offpolicy_versions=0, dcp_save_interval=2, ppo_minibatches=1, pipeline_chunks_per_step=2,
@@ -163,7 +163,7 @@ def scripted_rollout_factory(fail_at_call: int | None = None):
 
 
 def child(scenario: str, out: Path) -> None:
-    from training.utils import distributed
+    from training.utils.runtime import distributed
 
     torch.set_num_threads(1)
     if scenario in ("trainer", "lora", "bf16"):
@@ -205,8 +205,8 @@ def fail_optimizer_step(at_step: int) -> None:
 
 
 def child_trainer(out: Path) -> None:
-    from training.utils import distributed
-    from training.utils.checkpoint import save_checkpoint
+    from training.utils.run_files.checkpoint import save_checkpoint
+    from training.utils.runtime import distributed
 
     assert distributed.world_size() == 2
     policy = make_policy()
@@ -230,8 +230,8 @@ def child_trainer(out: Path) -> None:
 
 
 def child_lora(out: Path) -> None:
-    from training.utils import distributed
-    from training.utils.checkpoint import save_checkpoint
+    from training.utils.run_files.checkpoint import save_checkpoint
+    from training.utils.runtime import distributed
 
     policy, datums, rng = make_lora_policy(), make_datums(), np.random.default_rng(0)
     reference = policy.adapter_disabled_reference().logprobs(datums)
@@ -249,9 +249,9 @@ def child_lora(out: Path) -> None:
 
 def child_bf16(out: Path) -> None:
     """The policy under `bf16-autocast` (the CUDA default): shards gathered as bf16, gradients reduced in fp32."""
-    from training.utils import distributed
-    from training.utils.model import load_model_and_tokenizer
-    from training.utils.tiny_model import tiny_config
+    from training.utils.models.load import load_model_and_tokenizer
+    from training.utils.models.tiny import tiny_config
+    from training.utils.runtime import distributed
     from training.utils.trainer import Trainer
 
     torch.manual_seed(0)
@@ -318,7 +318,7 @@ def test_short_run_matches_one_process(two_ranks):
 
 
 def test_checkpoint_from_two_ranks_resumes_in_one(two_ranks):
-    from training.utils.checkpoint import latest_checkpoint, load_checkpoint
+    from training.utils.run_files.checkpoint import latest_checkpoint, load_checkpoint
 
     out, seen = two_ranks
     path = latest_checkpoint(out / "ckpt")
@@ -355,7 +355,7 @@ def test_lora_under_torchrun_matches_one_process_and_resumes_in_one(tmp_path):
     export (weight sync and `save_hf`) and a checkpoint that one process resumes from."""
     from transformers import AutoModelForCausalLM
 
-    from training.utils.checkpoint import latest_checkpoint, load_checkpoint
+    from training.utils.run_files.checkpoint import latest_checkpoint, load_checkpoint
 
     result = torchrun("lora", tmp_path)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
@@ -391,8 +391,8 @@ def test_lora_under_torchrun_matches_one_process_and_resumes_in_one(tmp_path):
 def test_bf16_autocast_under_torchrun_gathers_bf16_and_keeps_fp32_shards(tmp_path):
     """The CUDA default numerics sharded: layers run on bf16 copies of float32 shards; logprobs and
     the gradient agree with one process under bf16 autocast to bf16 precision (not to fp32's)."""
-    from training.utils.model import load_model_and_tokenizer
-    from training.utils.tiny_model import tiny_config
+    from training.utils.models.load import load_model_and_tokenizer
+    from training.utils.models.tiny import tiny_config
     from training.utils.trainer import Trainer
 
     result = torchrun("bf16", tmp_path)
@@ -437,7 +437,7 @@ def test_a_trainer_call_names_each_rank_own_objects():
 
 
 def ledger_by_step(summary: dict) -> dict[int, dict]:
-    from training.utils.logging import read_ledger
+    from training.utils.run_files.logging import read_ledger
 
     return {r["step"]: r for r in read_ledger(summary["ledger"]) if "train/loss" in r}
 

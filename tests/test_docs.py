@@ -23,9 +23,9 @@ from training import (
     rollout_evaluation,
 )
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.logging import read_ledger
 from training.utils.rl.agent.session import COUNTERS as SHIM_COUNTERS
 from training.utils.rl.health import RunHealth
+from training.utils.run_files.logging import read_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -90,9 +90,9 @@ def test_pages_import_only_the_public_surface(page):
 
 
 def test_the_import_check_catches_deep_and_unknown_imports():
-    text = ("x = 1\nfrom training.utils.config import TISConfig\nfrom training import (\n    RolloutSample,\n"
+    text = ("x = 1\nfrom training.utils.config.rl import TISConfig\nfrom training import (\n    RolloutSample,\n"
             "    Trainer,\n)\n    import training.utils.rl\nraise `from training import ConfigError`; `x`\n")
-    assert imports_of(text) == [("training.utils.config", ["TISConfig"]), ("training", ["RolloutSample", "Trainer"]),
+    assert imports_of(text) == [("training.utils.config.rl", ["TISConfig"]), ("training", ["RolloutSample", "Trainer"]),
                                 ("training", ["ConfigError"]), ("training.utils.rl", [])]
 
 

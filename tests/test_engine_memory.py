@@ -7,8 +7,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from training.utils.deploy.decode import KVBatch
-from training.utils.model import load_model_and_tokenizer
-from training.utils.tiny_model import tiny_config
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 
 
 def largest_allocation_bytes(fn) -> int:

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from engine_support import greedy_and_sampled
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy import Engine
 from training.utils.deploy.graphs import DecodeSteps, fallback_warning, measure_step_mismatch, relative_tolerance
-from training.utils.model import load_model_and_tokenizer
-from training.utils.tiny_model import tiny_config
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), [100], [42, 43, 44]]
 MAX_TOKENS = [12, 7, 20, 5]

@@ -21,17 +21,17 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from training.recipes import rl_loop
-from training.utils.config import DeploymentConfig, RLConfig, SamplingConfig, TrainerConfig
+from training.utils.config.rl import DeploymentConfig, RLConfig, SamplingConfig, TrainerConfig
 from training.utils.deploy import ExternalDeployment, Sampler, start_deployment
 from training.utils.deploy.external import SERVER_KINDS, connect_external_deployment
 from training.utils.deploy.nccl import NCCLBroadcaster
 from training.utils.deploy.sglang import WEIGHT_SYNC_GROUP_NAME, SGLangWeightSync
 from training.utils.deploy.vllm import VLLMWeightSync
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
+from training.utils.models.tiny import make_test_tokenizer, tiny_config
 from training.utils.rl import startup
 from training.utils.rl.rollout.types import sample_from_completion
 from training.utils.rl.startup import make_rollout_setup
-from training.utils.tiny_model import make_test_tokenizer, tiny_config
 
 PROMPT = [1, 2, 3]
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from training.recipes import rl_loop
-from training.utils.config import DeploymentConfig, TrainerConfig
+from training.utils.config.rl import DeploymentConfig, TrainerConfig
 from training.utils.deploy import shares_lora_base, start_deployment
 from training.utils.errors import ConfigError
-from training.utils.frozen_casts import cast_of, keep_casts, kept_casts
-from training.utils.lora import adapter_state, frozen_matmul_weights
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.frozen_casts import cast_of, keep_casts, kept_casts
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.lora import adapter_state, frozen_matmul_weights
 from training.utils.rl import startup
 from training.utils.rl.memory_budget import estimate_memory
 from training.utils.rl.memory_telemetry import owner_bytes

@@ -8,8 +8,8 @@ from gguf import GGMLQuantizationType
 from gguf.tensor_mapping import TensorNameMap
 
 from training.utils.errors import ModelLoadError
-from training.utils.gguf_convert import convert_gguf
-from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer, smollm2_available, smollm2_gguf_path
+from training.utils.models.gguf_convert import convert_gguf
+from training.utils.models.load import SMOLLM2_ALIAS, load_model_and_tokenizer, smollm2_available, smollm2_gguf_path
 
 TEXTS = ["Hello world", "hello  world,\ttab and\nnewline", "12+7=19", "<|im_start|>user\nhi<|im_end|>",
          "naïve café 東京 🙂", ""]

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from engine_support import greedy_and_sampled
-from training.utils.config import DeploymentConfig, TrainerConfig
+from training.utils.config.rl import DeploymentConfig, TrainerConfig
 from training.utils.deploy import Engine
 from training.utils.deploy.graphs import DecodeSteps, measure_step_mismatch, relative_tolerance
-from training.utils.model import load_model_and_tokenizer
-from training.utils.tiny_model import tiny_config
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 from training.utils.trainer import Datum, Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

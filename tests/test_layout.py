@@ -193,8 +193,8 @@ def test_no_import_circles():
      "training.utils.trainer.core imports training.utils.rl.rollout.types"),
     ("from ..rl import losses", "training.utils.deploy.engine",
      "training.utils.deploy.engine imports training.utils.rl"),
-    ("import training.utils.config", "training.utils.rl.losses",
-     "training.utils.rl.losses imports training.utils.config"),
+    ("import training.utils.config.rl", "training.utils.rl.losses",
+     "training.utils.rl.losses imports training.utils.config.rl"),
 ])
 def test_the_import_check_catches_an_upward_import(source, module, expected):
     assert any(v.startswith(expected) for v in violations(module, library_imports(source, module)))
@@ -204,17 +204,19 @@ def test_the_import_check_catches_a_lazy_upward_import_made_through_a_lower_modu
     """deploy -> lora is allowed, but a lazy import of the trainer inside lora.py makes every deployment load the
     trainer: the check names the deployment module and the chain."""
     tree = sources()
-    tree["training.utils.lora"] += "\ndef _head():\n    import training.utils.trainer.logprob_head\n"
+    tree["training.utils.models.lora"] += "\ndef _head():\n    import training.utils.trainer.logprob_head\n"
     found = indirect_violations(import_graph(tree))
     assert any(v.startswith("training.utils.deploy imports training.utils.trainer") and
-               "training.utils.lora -> training.utils.trainer" in v for v in found), found
+               "training.utils.models.lora -> training.utils.trainer" in v for v in found), found
     assert not indirect_violations(import_graph(sources()))
 
 
 def test_the_circle_check_finds_a_loop_through_a_lazy_or_a_type_only_import():
     tree = sources()
-    tree["training.utils.peft_names"] += "\n\ndef _f():\n    from training.utils.lora_layers import AddedLoraLinear\n"
-    assert ["training.utils.lora_layers", "training.utils.peft_names"] in import_circles(import_graph(tree))
+    tree["training.utils.models.peft_names"] += (
+        "\n\ndef _f():\n    from training.utils.models.lora_layers import AddedLoraLinear\n")
+    circle = ["training.utils.models.lora_layers", "training.utils.models.peft_names"]
+    assert circle in import_circles(import_graph(tree))
     tree = sources()
     tree["training.utils.rl.agent.reply"] += ("\nif TYPE_CHECKING:\n"
                                               "    from training.utils.rl.agent.wire_format import TurnCodec\n")
@@ -225,7 +227,7 @@ def test_the_circle_check_finds_a_loop_through_a_lazy_or_a_type_only_import():
 
 
 def test_type_checking_imports_are_not_runtime_dependencies():
-    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from training.utils.config import TISConfig\n"
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from training.utils.config.rl import TISConfig\n"
     assert library_imports(source, "training.utils.rl.losses") == set()
 
 
@@ -346,3 +348,12 @@ def test_comments_and_docstrings_quote_no_measurements():
              for path in library_modules() for line, text in comments_and_docstrings(path.read_text())
              for match in MEASUREMENT.finditer(text)]
     assert not found, "measurements belong in benchmarks/RESULTS.md:\n" + "\n".join(found)
+
+
+def test_utils_top_level_is_a_few_rooms_each_named_in_contributing():
+    entries = sorted(p.name for p in (PACKAGE / "utils").iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 10, f"training/utils/ has {len(entries)} entries at its top level: {entries}"
+    rooms = [name for name in entries if (PACKAGE / "utils" / name).is_dir()]
+    table = (ROOT / "CONTRIBUTING.md").read_text().split("Which room a change belongs in", 1)[1].split("\n\n", 2)[1]
+    named = set(re.findall(r"^\| `utils/([a-z_]+)/` \|", table, re.M))
+    assert named == set(rooms), f"CONTRIBUTING's room table names {sorted(named)}, training/utils/ has {rooms}"

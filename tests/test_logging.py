@@ -3,7 +3,7 @@
 import json
 import math
 
-from training.utils.logging import RunLogger, progress_line, read_ledger
+from training.utils.run_files.logging import RunLogger, progress_line, read_ledger
 
 
 def test_ledger_records_and_nonfinite_values(tmp_path):

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import SamplingConfig
+from training.utils.config.rl import SamplingConfig
 from training.utils.errors import EventLoopBlockedError
-from training.utils.loop_watchdog import INTERRUPT, LoopWatchdog
 from training.utils.rl.rollout.types import sample_from_completion
+from training.utils.runtime.loop_watchdog import INTERRUPT, LoopWatchdog
 
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(4)]
 BOUND_S = 2.0
@@ -144,7 +144,7 @@ def slow_checkpoints(monkeypatch, seconds: float, saving: threading.Event):
 
 def test_every_draw_of_a_batch_blocking_while_the_trainer_saves_stops_within_the_bound(tmp_path, monkeypatch,
                                                                                       caplog):
-    from training.utils.checkpoint import latest_checkpoint
+    from training.utils.run_files.checkpoint import latest_checkpoint
 
     bound_s, blocked, saving = 3.0, [], threading.Event()
     slow_checkpoints(monkeypatch, 2.0, saving)
@@ -182,7 +182,7 @@ def test_every_draw_of_a_batch_blocking_while_the_trainer_saves_stops_within_the
 ISSUE_CHILD = """
 import sys, time
 from training.recipes import async_rl_loop
-from training.utils.config import SamplingConfig
+from training.utils.config.rl import SamplingConfig
 from training.utils.rl.rollout.types import sample_from_completion
 
 async def rollout_fn(row, sample_index):

@@ -13,14 +13,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from training.utils.config import DeploymentConfig, SamplingConfig, TrainerConfig
+from training.utils.config.rl import DeploymentConfig, SamplingConfig, TrainerConfig
 from training.utils.errors import ConfigError
-from training.utils.logging import read_ledger
-from training.utils.lora import adapters_disabled, adapters_enabled
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.lora import adapters_disabled, adapters_enabled
 from training.utils.rl import startup, training_run
 from training.utils.rl.rollout.types import sample_from_completion
+from training.utils.run_files.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from training.utils.run_files.logging import read_ledger
 from training.utils.trainer import AdapterDisabledReference, Datum, Trainer
 
 VOCAB = 260

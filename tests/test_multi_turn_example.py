@@ -10,11 +10,11 @@ import pytest
 from training.examples.rl.multi_turn_message_in import make_data
 from training.examples.rl.multi_turn_message_in.reward import answer_reward, extract_boxed, parse_number
 from training.examples.rl.multi_turn_message_in.rollout import RETRY_MESSAGE, make_rollout_fn
-from training.utils.config import DeploymentConfig, SamplingConfig
+from training.utils.config.rl import DeploymentConfig, SamplingConfig
 from training.utils.deploy import Completion, start_embedded_deployment
-from training.utils.model import smollm2_available
+from training.utils.models.load import smollm2_available
+from training.utils.models.tiny import make_test_tokenizer
 from training.utils.rl.rollout.types import RolloutSetup, validate_run
-from training.utils.tiny_model import make_test_tokenizer
 
 # ---------------------------------------------------------------- reward.py
 
@@ -198,7 +198,7 @@ def test_max_turns_below_one_is_rejected():
 
 
 def test_rollout_against_the_embedded_deployment_on_a_tiny_model():
-    from training.utils.model import load_model_and_tokenizer
+    from training.utils.models.load import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer("tiny-random", device="cpu")
     row = make_data.make_rows(1, seed=0, split="eval")[0]
@@ -246,7 +246,7 @@ def test_default_config_trains_groups_with_reward_spread_on_smollm2(tmp_path):
     No reward level is asserted: three steps move it by chance as much as by learning."""
     from training.examples.rl.multi_turn_message_in.train import cfg as example_cfg, rollout_extras
     from training.recipes import async_rl_loop
-    from training.utils.logging import read_ledger
+    from training.utils.run_files.logging import read_ledger
 
     cfg = example_cfg.model_copy(update=dict(max_steps=3, log_path=str(tmp_path / "run"), progress=False))
     summary = async_rl_loop.main(cfg, rollout_fn_factory=make_rollout_fn, rows=make_data.load_split("train"),

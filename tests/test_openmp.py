@@ -1,5 +1,5 @@
 """`training.set_openmp_wait_policy()` sets OpenMP's wait policy before torch loads libgomp
-(training/utils/openmp.py), `import training` alone changes nothing, and libgomp itself reports what it read."""
+(training/utils/runtime/openmp.py), `import training` alone changes nothing, and libgomp itself reports what it read."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from training.utils import openmp
+from training.utils.runtime import openmp
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -46,7 +46,7 @@ after = dict(os.environ)
 loaded = [line for line in open('/proc/self/maps') if 'libgomp' in line]
 import torch
 torch.ones(4).sum()
-from training.utils import openmp
+from training.utils.runtime import openmp
 print(json.dumps([after == before, loaded, openmp.not_set_because]))
 """
     result = _run(code, OMP_DISPLAY_ENV="VERBOSE")
@@ -84,7 +84,8 @@ subprocess.run([sys.executable, '-c', 'import torch; torch.ones(4).sum()'], chec
 
 @needs_libgomp
 def test_torch_first_keeps_libgomp_defaults_and_start_up_says_how_to_fix_it():
-    code = ("import torch; import training; training.set_openmp_wait_policy(); from training.utils import openmp; "
+    code = ("import torch; import training; training.set_openmp_wait_policy(); "
+            "from training.utils.runtime import openmp; "
             "print(openmp.not_set_because); print(openmp.import_time_notice())")
     result = _run(code, OMP_DISPLAY_ENV="VERBOSE")
     assert result.returncode == 0, result.stderr

@@ -6,11 +6,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from training.utils.config import TrainerConfig
-from training.utils.cpu_attention import cpu_attention
-from training.utils.model import load_model_and_tokenizer
-from training.utils.prefix_attention import plan_pieces
-from training.utils.tiny_model import tiny_config
+from training.utils.config.rl import TrainerConfig
+from training.utils.models.cpu_attention import cpu_attention
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.prefix_attention import plan_pieces
+from training.utils.models.tiny import tiny_config
 from training.utils.trainer import Datum, Trainer
 from training.utils.trainer.activation_checkpointing import KEPT_ATTENTION_OPS
 from training.utils.trainer.shared_prefix import prefix_bundles, shared_layout, shared_prefix_mask

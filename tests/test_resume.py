@@ -28,7 +28,7 @@ def recipe_module(name):
 
 
 def config(recipe, log_path):
-    from training.utils.config import SamplingConfig, TrainerConfig
+    from training.utils.config.rl import SamplingConfig, TrainerConfig
 
     gate = {"max_head_offpolicy_versions": 1} if recipe == "async_rl_loop" else {}
     return recipe_module(recipe).Config(
@@ -60,8 +60,8 @@ def make_rollout_fn(setup, on_call=lambda n: None):
 def child(recipe: str, log_path: str, kill_at: str) -> None:
     import logging
 
-    from training.utils import checkpoint
     from training.utils.rl.train_step import BatchUpdate
+    from training.utils.run_files import checkpoint
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     point, _, n = kill_at.partition(":")
@@ -108,7 +108,7 @@ def run_child(recipe, log_path, kill_at):
 def lineage(ledger):
     """Row ids per step of the surviving run: a resumed process re-trains (and re-logs) every step
     after its checkpoint, so the last record of each step is the one whose weights survived."""
-    from training.utils.logging import read_ledger
+    from training.utils.run_files.logging import read_ledger
 
     by_step = {}
     for record in read_ledger(ledger):
@@ -123,7 +123,7 @@ def resumed_from(stderr):
 
 
 def newest_step(log_path):
-    from training.utils.checkpoint import latest_checkpoint
+    from training.utils.run_files.checkpoint import latest_checkpoint
 
     path = latest_checkpoint(log_path)
     return int(path.name.split("-")[1]) if path else 0
@@ -173,9 +173,9 @@ def test_checkpoint_restores_weights_optimizer_schedule_and_rng(tmp_path):
     import numpy as np
     import torch
 
-    from training.utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from training.utils.config import TrainerConfig
-    from training.utils.model import load_model_and_tokenizer
+    from training.utils.config.rl import TrainerConfig
+    from training.utils.models.load import load_model_and_tokenizer
+    from training.utils.run_files.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from training.utils.trainer import Trainer
 
     def trainer():

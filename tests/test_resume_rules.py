@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import SamplingConfig, TrainerConfig
+from training.utils.config.rl import SamplingConfig, TrainerConfig
 from training.utils.errors import ConfigError
-from training.utils.logging import read_ledger
 from training.utils.rl.resume import check_resumable
 from training.utils.rl.rollout.types import sample_from_completion
+from training.utils.run_files.logging import read_ledger
 
 
 def rows(n):
@@ -114,8 +114,8 @@ def test_rows_without_ids_are_told_apart_by_their_content(tmp_path, caplog):
 
 
 def save_tiny_model(directory, *, seed=0, hidden_size=64):
-    from training.utils.model import load_model_and_tokenizer
-    from training.utils.tiny_model import make_test_tokenizer, tiny_config
+    from training.utils.models.load import load_model_and_tokenizer
+    from training.utils.models.tiny import make_test_tokenizer, tiny_config
 
     torch.manual_seed(seed)
     model, _ = load_model_and_tokenizer(tiny_config(hidden_size=hidden_size), device="cpu")

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from training.recipes import rl_loop
-from training.utils.config import SamplingConfig, TrainerConfig
+from training.utils.config.rl import SamplingConfig, TrainerConfig
 from training.utils.errors import CircuitBreakerError, RecoverableRolloutError, RolloutContractError
-from training.utils.logging import read_ledger
 from training.utils.rl.rollout.types import RolloutSample, sample_from_completion
+from training.utils.run_files.logging import read_ledger
 
 
 def tiny_cfg(tmp_path, **overrides):
@@ -169,7 +169,7 @@ def test_dynamic_filter_and_kl_reference(tmp_path):
 
 def test_tiny_model_learns_a_token_task(tmp_path):
     """Real sampling through the embedded deployment: reward = fraction of lowercase-letter outputs."""
-    from training.utils.tiny_model import make_test_tokenizer
+    from training.utils.models.tiny import make_test_tokenizer
 
     tok = make_test_tokenizer()
     letters = {tok.convert_tokens_to_ids(c) for c in "abcdefghijklmnopqrstuvwxyz"}

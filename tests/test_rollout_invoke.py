@@ -250,8 +250,8 @@ def one_bad_draw_factory(bad_sample):
 def stops_before_training(recipe, tmp_path, bad_sample, error, **fields):
     """Run `recipe` on 4 rows, 2 a step, with one bad draw: it stops with `error`, and no step trained."""
     from training.recipes import async_rl_loop
-    from training.utils.config import SamplingConfig
-    from training.utils.logging import read_ledger
+    from training.utils.config.rl import SamplingConfig
+    from training.utils.run_files.logging import read_ledger
 
     rows = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50]} for i in range(4)]
     extra = {"max_head_offpolicy_versions": 0} if recipe is async_rl_loop else {}
@@ -303,9 +303,9 @@ def test_an_overflowing_reward_stops_the_run_naming_row_and_draw(tmp_path):
 def test_a_sample_changed_after_its_return_trains_as_returned(tmp_path, returns):
     """Issue 63: a rollout appends three tokens to what it returned 1 ms later; what trains is what it returned."""
     from training.recipes import async_rl_loop
-    from training.utils.config import SamplingConfig
-    from training.utils.logging import read_ledger
+    from training.utils.config.rl import SamplingConfig
     from training.utils.rl.rollout.types import RolloutRun
+    from training.utils.run_files.logging import read_ledger
 
     rows = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(4)]
     changed = []

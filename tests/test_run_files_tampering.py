@@ -25,13 +25,13 @@ from test_checkpoint_integrity import (
     weights,
 )
 from training.examples.rl.blackbox_agent import make_data
-from training.utils.checkpoint import MANIFEST_FILE, save_checkpoint, verify_checkpoint
-from training.utils.config import RLConfig, TrainerConfig
+from training.utils.config.rl import RLConfig, TrainerConfig
 from training.utils.errors import CheckpointError, ConfigError, DeploymentError
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
 from training.utils.rl.resume import check_resumable, run_settings
 from training.utils.rl.startup import SERVED_GAP_LIMIT, check_served_weights, sync_deployment
-from training.utils.run_key import KEY_FILE
+from training.utils.run_files.checkpoint import MANIFEST_FILE, save_checkpoint, verify_checkpoint
+from training.utils.run_files.run_key import KEY_FILE
 from training.utils.trainer import Trainer
 
 

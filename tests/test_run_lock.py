@@ -14,16 +14,16 @@ import time
 
 import pytest
 
-from training.utils import distributed
 from training.utils.errors import RunDirectoryInUseError
-from training.utils.run_lock import run_lock
+from training.utils.run_files.run_lock import run_lock
+from training.utils.runtime import distributed
 
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(4)]
 
 
 def config(log_path):
     from training.recipes import rl_loop
-    from training.utils.config import SamplingConfig
+    from training.utils.config.rl import SamplingConfig
 
     return rl_loop.Config(model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=2, max_steps=2,
                           dcp_save_interval=1, log_path=str(log_path), sampling=SamplingConfig(max_tokens=4),

@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config import SamplingConfig
+from training.utils.config.rl import SamplingConfig
 from training.utils.rl.rollout.types import sample_from_completion
 
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(4)]

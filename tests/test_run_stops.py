@@ -23,9 +23,9 @@ def child(log_path: str, point: str) -> None:
     import torch.distributed.checkpoint.filesystem as dcp_files
 
     from training.recipes import rl_loop
-    from training.utils import checkpoint
-    from training.utils.config import SamplingConfig
+    from training.utils.config.rl import SamplingConfig
     from training.utils.rl.rollout.types import sample_from_completion
+    from training.utils.run_files import checkpoint
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     saves = [0]
@@ -96,7 +96,7 @@ def test_a_full_disk_while_checkpointing_is_the_last_line_naming_where_and_which
     assert last == (f"training.utils.errors.DiskFullError: no space left on {log_path / 'checkpoints'} while saving "
                     "step 2: free space there or lower keep_checkpoints; the next run resumes from step 1"), last
     assert "No space left on device" in full.stderr  # the writer's own error, further up
-    from training.utils.checkpoint import latest_checkpoint
+    from training.utils.run_files.checkpoint import latest_checkpoint
 
     assert latest_checkpoint(log_path).name == "step-00000001"
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from training.utils.config import RLConfig, TrainerConfig
+from training.utils.config.rl import RLConfig, TrainerConfig
 from training.utils.errors import ConfigError
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 from training.utils.rl.rollout.types import RolloutRun, RolloutSample, make_prompt_group
 from training.utils.rl.train_step import KLCoefficient, train_batch
-from training.utils.tiny_model import tiny_config
 from training.utils.trainer import Datum, MicroBatch, Trainer
 from training.utils.trainer.batching import computed_tokens, plan_ranks
 from training.utils.trainer.shared_prefix import MIN_SHARED_TOKENS, PrefixBundle, PrefixSharing, prefix_bundles
@@ -275,7 +275,7 @@ def fsdp_trainer() -> Trainer:
 def child(out: Path) -> None:
     from torch.distributed.tensor import DTensor
 
-    from training.utils import distributed
+    from training.utils.runtime import distributed
 
     torch.set_num_threads(1)
     with distributed.distributed_session(timeout_s=120):

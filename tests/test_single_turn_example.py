@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from training.utils.logging import read_ledger
-from training.utils.model import smollm2_available
+from training.utils.models.load import smollm2_available
+from training.utils.run_files.logging import read_ledger
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "training" / "examples" / "rl" / "single_turn_token_in"
 

@@ -17,8 +17,9 @@ import torch
 
 from shim_support import make_tiny, outputs, scripted, shim_stack
 from training.recipes import rl_loop
-from training.utils.config import TrainerConfig
-from training.utils.model import load_model_and_tokenizer
+from training.utils.config.rl import TrainerConfig
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 from training.utils.rl.agent.session import ANSWERS_KEPT
 from training.utils.rl.groups import SettledRow, rollout_metrics, shim_metrics
 from training.utils.rl.loss_aggregation import LOSS_AGG_MODES
@@ -34,7 +35,6 @@ from training.utils.rl.train_step import (
     share_extras,
     train_batch,
 )
-from training.utils.tiny_model import tiny_config
 from training.utils.trainer import MicroBatch, Trainer
 from training.utils.trainer.batching import pad_rows
 

@@ -10,10 +10,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from training.utils.config import TrainerConfig
+from training.utils.config.rl import TrainerConfig
 from training.utils.errors import ConfigError
-from training.utils.model import load_model_and_tokenizer
-from training.utils.tiny_model import tiny_config
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 from training.utils.trainer import (
     Datum,
     MicroBatch,

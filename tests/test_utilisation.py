@@ -20,14 +20,14 @@ import torch
 from transformers import GPT2Config, MixtralConfig
 
 from training.recipes import async_rl_loop, rl_loop
-from training.utils import cpu_share, machine_peak
-from training.utils.config import DeploymentConfig, SamplingConfig, TrainerConfig
-from training.utils.flops import cached_forward_flops, causal_pairs, decoder_shape, forward_flops
-from training.utils.logging import read_ledger
-from training.utils.model import load_model_and_tokenizer
+from training.utils.config.rl import DeploymentConfig, SamplingConfig, TrainerConfig
+from training.utils.models.flops import cached_forward_flops, causal_pairs, decoder_shape, forward_flops
+from training.utils.models.load import load_model_and_tokenizer
+from training.utils.models.tiny import tiny_config
 from training.utils.rl.rollout.types import sample_from_completion
 from training.utils.rl.telemetry import Utilisation
-from training.utils.tiny_model import tiny_config
+from training.utils.run_files.logging import read_ledger
+from training.utils.runtime import cpu_share, machine_peak
 from training.utils.trainer import Datum, Trainer
 
 PER_TOKEN, PER_PROJECTED, PER_PAIR = 147456, 33280, 512

@@ -30,9 +30,9 @@ from training.utils.deploy.vllm import VLLMProtocol
 from training.utils.deploy.vllm_generate import VLLMGenerateProtocol, token_versions, use_generate_if_served
 from training.utils.deploy.vllm_lora import ADAPTER_NAME, LINK, VLLMLoRASync
 from training.utils.errors import DeploymentError
-from training.utils.lora import AdapterState, load_adapter, merged_state_dict, wrap_with_lora
-from training.utils.model import SMOLLM2_ALIAS, load_model_and_tokenizer, resolve_model_source
-from training.utils.peft_names import ADAPTER_CONFIG
+from training.utils.models.load import SMOLLM2_ALIAS, load_model_and_tokenizer, resolve_model_source
+from training.utils.models.lora import AdapterState, load_adapter, merged_state_dict, wrap_with_lora
+from training.utils.models.peft_names import ADAPTER_CONFIG
 
 PROMPT = [1, 504, 3458, 314]
 

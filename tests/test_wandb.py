@@ -4,7 +4,7 @@ import struct
 
 import pytest
 
-from training.utils.logging import RunLogger
+from training.utils.run_files.logging import RunLogger
 
 # An offline `.wandb` file: a 7-byte header (":W&B", magic, version), then the LevelDB log format: 32 KiB blocks of
 # chunks, each a 7-byte header (crc32, little-endian u16 length, type) and its bytes; a record is one FULL chunk or

@@ -10,14 +10,14 @@ from peft import LoraConfig, get_peft_model
 from pydantic import ValidationError
 
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from training.utils.config import SamplingConfig, TrainerConfig
+from training.utils.config.rl import SamplingConfig, TrainerConfig
 from training.utils.errors import CheckpointError, ConfigError
-from training.utils.logging import read_ledger
-from training.utils.model import load_model_and_tokenizer
+from training.utils.models.load import load_model_and_tokenizer
 from training.utils.rl import startup, training_run
 from training.utils.rl.dataset import DurableRowSource
 from training.utils.rl.rollout.types import sample_from_completion
+from training.utils.run_files.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from training.utils.run_files.logging import read_ledger
 from training.utils.trainer import Trainer
 
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(6)]

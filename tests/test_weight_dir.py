@@ -20,7 +20,7 @@ def child(log_path: str, kill: str) -> None:
     import logging
 
     from training.recipes import rl_loop
-    from training.utils.config import DeploymentConfig, SamplingConfig
+    from training.utils.config.rl import DeploymentConfig, SamplingConfig
     from training.utils.deploy import weight_sync
     from training.utils.rl.rollout.types import sample_from_completion
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from training.utils import collector
+from training.utils.runtime import collector
 
 __version__ = "0.1.0"
 
@@ -36,32 +36,32 @@ PUBLIC_NAMES: dict[str, str] = {
     "RecoverableRolloutError": "training.utils.errors",
     "ConfigError": "training.utils.errors",
     # the parts of a recipe's Config
-    "TrainerConfig": "training.utils.config",
-    "SamplingConfig": "training.utils.config",
-    "DeploymentConfig": "training.utils.config",
-    "AgentShimConfig": "training.utils.config",
-    "TISConfig": "training.utils.config",
-    "OverlongConfig": "training.utils.config",
+    "TrainerConfig": "training.utils.config.rl",
+    "SamplingConfig": "training.utils.config.rl",
+    "DeploymentConfig": "training.utils.config.rl",
+    "AgentShimConfig": "training.utils.config.rl",
+    "TISConfig": "training.utils.config.rl",
+    "OverlongConfig": "training.utils.config.rl",
     # a policy loss of your own
     "register_policy_loss": "training.utils.rl.losses",
     "LossInputs": "training.utils.rl.losses",
     "TokenLoss": "training.utils.rl.losses",
     # data, evaluation, a deployment outside a training run
-    "read_jsonl": "training.utils.jsonl",
-    "write_jsonl": "training.utils.jsonl",
+    "read_jsonl": "training.utils.run_files.jsonl",
+    "write_jsonl": "training.utils.run_files.jsonl",
     "GeneratedSplits": "training.utils.rl.dataset",
     "rollout_evaluation": "training.utils.rl.evaluation",
     "serve_policy": "training.utils.rl.startup",
-    "load_tokenizer": "training.utils.model",
-    "load_model_and_tokenizer": "training.utils.model",
+    "load_tokenizer": "training.utils.models.load",
+    "load_model_and_tokenizer": "training.utils.models.load",
     # environments from other packages (docs/environments.md)
     "from_reasoning_gym": "training.environments.reasoning_gym",
     "from_openenv": "training.environments.openenv",
     "openenv_server": "training.environments.openenv",
     "BadEnvironmentError": "training.environments.episodes",
     # the process a run lives in
-    "restart_with_allocator": "training.utils.allocator",
-    "set_openmp_wait_policy": "training.utils.openmp",
+    "restart_with_allocator": "training.utils.runtime.allocator",
+    "set_openmp_wait_policy": "training.utils.runtime.openmp",
 }
 """Public name -> the module that defines it (`tests/test_public_api.py` holds this list to the docs)."""
 
@@ -72,7 +72,7 @@ def __getattr__(name: str) -> Any:
     module = PUBLIC_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module 'training' has no attribute {name!r}")
-    with collector.paused():  # importing torch and transformers makes nothing worth collecting (utils/collector.py)
+    with collector.paused():  # importing torch and transformers makes nothing worth collecting (runtime/collector.py)
         value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
@@ -89,8 +89,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; `X as X` marks a re-export
         openenv_server as openenv_server,
     )
     from training.environments.reasoning_gym import from_reasoning_gym as from_reasoning_gym
-    from training.utils.allocator import restart_with_allocator as restart_with_allocator
-    from training.utils.config import (
+    from training.utils.config.rl import (
         AgentShimConfig as AgentShimConfig,
         DeploymentConfig as DeploymentConfig,
         OverlongConfig as OverlongConfig,
@@ -102,15 +101,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs; `X as X` marks a re-export
         ConfigError as ConfigError,
         RecoverableRolloutError as RecoverableRolloutError,
     )
-    from training.utils.jsonl import (
-        read_jsonl as read_jsonl,
-        write_jsonl as write_jsonl,
-    )
-    from training.utils.model import (
+    from training.utils.models.load import (
         load_model_and_tokenizer as load_model_and_tokenizer,
         load_tokenizer as load_tokenizer,
     )
-    from training.utils.openmp import set_openmp_wait_policy as set_openmp_wait_policy
     from training.utils.rl.dataset import GeneratedSplits as GeneratedSplits
     from training.utils.rl.evaluation import rollout_evaluation as rollout_evaluation
     from training.utils.rl.losses import (
@@ -132,3 +126,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; `X as X` marks a re-export
         sample_from_completion as sample_from_completion,
     )
     from training.utils.rl.startup import serve_policy as serve_policy
+    from training.utils.run_files.jsonl import (
+        read_jsonl as read_jsonl,
+        write_jsonl as write_jsonl,
+    )
+    from training.utils.runtime.allocator import restart_with_allocator as restart_with_allocator
+    from training.utils.runtime.openmp import set_openmp_wait_policy as set_openmp_wait_policy

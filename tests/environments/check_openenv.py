@@ -16,7 +16,7 @@ from shim_support import SpySampler, make_tiny, scripted
 from training.environments.episodes import EnvironmentDrop
 from training.environments.openenv import from_openenv, openenv_server
 from training.recipes import rl_loop
-from training.utils.config import SamplingConfig, TrainerConfig
+from training.utils.config.rl import SamplingConfig, TrainerConfig
 from training.utils.rl.rollout.invoke import run_draw
 from training.utils.rl.rollout.types import RolloutSetup
 

@@ -20,10 +20,10 @@ from shim_support import SpySampler, make_tiny, scripted
 from training.environments import BadEnvironmentError, EnvironmentDrop, from_reasoning_gym
 from training.environments.reasoning_gym import EVAL_SEED_OFFSET, build_dataset
 from training.recipes import rl_loop
-from training.utils.config import SamplingConfig, TrainerConfig
-from training.utils.logging import read_ledger
+from training.utils.config.rl import SamplingConfig, TrainerConfig
 from training.utils.rl.rollout.invoke import run_draw
 from training.utils.rl.rollout.types import RolloutRun, RolloutSetup
+from training.utils.run_files.logging import read_ledger
 
 rg = pytest.importorskip("reasoning_gym")
 pytestmark = pytest.mark.environments

@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from training.utils.config import RLConfig, TISConfig
+from training.utils.config.rl import RLConfig, TISConfig
 from training.utils.deploy import Deployment
 from training.utils.rl.async_rl import BatchCoordinator, CircuitBreaker, OffPolicyGate, RolloutProducer
 from training.utils.rl.groups import SettledRow, group_of, rollout_metrics

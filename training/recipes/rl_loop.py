@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import Field
 
-from training.utils.config import RLConfig
+from training.utils.config.rl import RLConfig
 from training.utils.deploy import Deployment
 from training.utils.errors import CircuitBreakerError
 from training.utils.rl.dataset import RowItem

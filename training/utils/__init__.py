@@ -7,13 +7,13 @@ import importlib
 from typing import Any
 
 _NAMES: dict[str, str] = {
-    "DeployConfig": "training.utils.deployment_config",
-    "TrainerConfig": "training.utils.trainer_config",
-    "WandBConfig": "training.utils.cookbook_config",
-    "InfraConfig": "training.utils.cookbook_config",
-    "RunnerConfig": "training.utils.cookbook_config",
-    "WeightSyncConfig": "training.utils.cookbook_config",
-    "TISConfig": "training.utils.config",
+    "DeployConfig": "training.utils.config.deployment",
+    "TrainerConfig": "training.utils.config.trainer",
+    "WandBConfig": "training.utils.config.cookbook",
+    "InfraConfig": "training.utils.config.cookbook",
+    "RunnerConfig": "training.utils.config.cookbook",
+    "WeightSyncConfig": "training.utils.config.cookbook",
+    "TISConfig": "training.utils.config.rl",
 }
 """Name -> the module that defines it; loaded on first use, so importing this package stays cheap."""
 

@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.embedded import EmbeddedDeployment, engine_dtype, start_embedded_deployment
 from training.utils.deploy.engine import Engine
@@ -22,8 +22,8 @@ from training.utils.deploy.replica_deployment import ReplicatedDeployment, conne
 from training.utils.deploy.sampler import Sampler
 from training.utils.deploy.weight_sync import DiskWeightSync
 from training.utils.errors import ConfigError
-from training.utils.frozen_casts import cast_of, kept_casts
-from training.utils.lora import frozen_matmul_weights, is_lora, shared_base_copy, standalone_copy
+from training.utils.models.frozen_casts import cast_of, kept_casts
+from training.utils.models.lora import frozen_matmul_weights, is_lora, shared_base_copy, standalone_copy
 
 __all__ = [
     "Completion",

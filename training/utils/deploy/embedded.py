@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy.engine import Engine
 from training.utils.deploy.handle import DeploymentHandle, weight_dir_for
 from training.utils.deploy.sampler import Sampler
 from training.utils.deploy.server import InferenceServer
 from training.utils.deploy.weight_sync import make_weight_sync
-from training.utils.model import native_bf16
+from training.utils.models.load import native_bf16
 
 
 @dataclass(kw_only=True)

@@ -24,9 +24,7 @@ from pathlib import Path
 
 import torch
 
-from training.utils import cpu_share
-from training.utils.config import DeploymentConfig
-from training.utils.cpu_attention import DECODE_NAME, use_cpu_attention
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy.admission import PREFILL_SPLIT_COST_TOKENS, admit, split_by_length
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.decode import KVBatch, usable_prefix_lengths
@@ -37,7 +35,9 @@ from training.utils.deploy.next_token import SamplingParams_B, sample_next
 from training.utils.deploy.prefix_cache import CachedKV, PrefixCache, prefix_cache_bounds
 from training.utils.deploy.sequences import SequenceGroup, SequenceState, make_group, sampling_params
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
-from training.utils.memory import kv_bytes_per_token
+from training.utils.models.cpu_attention import DECODE_NAME, use_cpu_attention
+from training.utils.runtime import cpu_share
+from training.utils.runtime.memory import kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 
 from training.utils.deploy.decode import KVBatch
 from training.utils.deploy.prefix_cache import PrefixCache
-from training.utils.memory import storage_bytes
+from training.utils.runtime.memory import storage_bytes
 
 
 class EngineMemory:

@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy.handle import DeploymentHandle, weight_dir_for
 from training.utils.deploy.http_client import AdminClient, auth_headers
 from training.utils.deploy.openai_compat import OpenAIProtocol, probe_token_ids

@@ -35,7 +35,7 @@ import logging
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy.decode import KVBatch, SlotLayer, cache_kwarg, next_power_of_two
 from training.utils.errors import ConfigError
 

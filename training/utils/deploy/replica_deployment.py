@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy.completion import Completion
 from training.utils.deploy.external import SERVER_KINDS, ExternalDeployment, connect_external_deployment
 from training.utils.deploy.handle import DeploymentHandle, weight_dir_for

@@ -40,7 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy.completion import Completion, InvalidRequestError
 from training.utils.deploy.connections import CLIENT_TIMEOUT_S, BodyTooLargeError, ClientDeadlines, read_body
 from training.utils.deploy.engine import Engine

@@ -39,7 +39,7 @@ from training.utils.deploy.http_client import AdminClient
 from training.utils.deploy.vllm import VLLMWeightSync
 from training.utils.deploy.weight_sync import StepDirectories
 from training.utils.errors import DeploymentError
-from training.utils.lora import AdapterState, adapter_of
+from training.utils.models.lora import AdapterState, adapter_of
 
 ADAPTER_NAME = "policy-lora"
 """The name the server serves the trainer's adapter under, and the model every request names."""

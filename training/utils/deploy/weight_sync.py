@@ -33,7 +33,7 @@ from training.utils.deploy.http_client import AdminClient, auth_headers
 from training.utils.deploy.nccl import NCCLBroadcaster
 from training.utils.deploy.sampler import ServingGate
 from training.utils.errors import DeploymentError
-from training.utils.lora import adapter_of
+from training.utils.models.lora import adapter_of
 
 
 def _state_bytes(state_dict: Mapping[str, torch.Tensor]) -> int:

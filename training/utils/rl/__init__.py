@@ -6,7 +6,7 @@ import importlib
 from typing import Any
 
 _NAMES: dict[str, str] = {
-    "TISConfig": "training.utils.config",
+    "TISConfig": "training.utils.config.rl",
     "PromptGroup": "training.utils.rl.rollout.types",
 }
 """Name -> the module that defines it; loaded on first use, so importing this package stays cheap."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from training.utils.errors import ConfigError
-from training.utils.jsonl import json_kind, read_jsonl, write_jsonl
+from training.utils.run_files.jsonl import json_kind, read_jsonl, write_jsonl
 
 log = logging.getLogger("training")
 

@@ -2,7 +2,7 @@
 
 Every flag is warned once, with the setting to change, and listed in the run's summary
 (docs/metrics.md: run health). The flags name RL settings, so this lives with the recipes' pieces,
-not in the generic run telemetry of `training.utils.logging`.
+not in the generic run telemetry of `training.utils.run_files.logging`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from training.utils.logging import is_finite_number
+from training.utils.run_files.logging import is_finite_number
 
 log = logging.getLogger("training")
 

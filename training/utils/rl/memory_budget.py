@@ -32,13 +32,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from training.utils import distributed
-from training.utils.config import DeploymentConfig, RLConfig
+from training.utils.config.rl import DeploymentConfig, RLConfig
 from training.utils.deploy import engine_dtype, shares_lora_base
 from training.utils.deploy.prefix_cache import prefix_cache_bounds
 from training.utils.errors import ConfigError
-from training.utils.frozen_casts import cast_of, kept_casts
-from training.utils.memory import GIB, current_rss_bytes, kv_bytes_per_token, peak_rss_bytes, storage_bytes
+from training.utils.models.frozen_casts import cast_of, kept_casts
+from training.utils.runtime import distributed
+from training.utils.runtime.memory import GIB, current_rss_bytes, kv_bytes_per_token, peak_rss_bytes, storage_bytes
 from training.utils.trainer import Reference, Trainer, enable_activation_checkpointing
 from training.utils.trainer.logprob_head import projection_bytes
 

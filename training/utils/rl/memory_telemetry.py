@@ -24,10 +24,10 @@ from pathlib import Path
 
 from torch import Tensor
 
-from training.utils.allocator import active_allocator
 from training.utils.deploy import Deployment
-from training.utils.frozen_casts import kept_casts
-from training.utils.memory import GIB, current_rss_bytes, malloc_free_bytes, peak_rss_bytes, storage_bytes
+from training.utils.models.frozen_casts import kept_casts
+from training.utils.runtime.allocator import active_allocator
+from training.utils.runtime.memory import GIB, current_rss_bytes, malloc_free_bytes, peak_rss_bytes, storage_bytes
 from training.utils.trainer import Reference, Trainer
 
 RSS_SAMPLE_INTERVAL_S = 0.01

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from training.utils.config import RLConfig
+from training.utils.config.rl import RLConfig
 from training.utils.errors import ConfigError
 from training.utils.rl.dataset import row_id_of
 

@@ -28,8 +28,8 @@ import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
-from training.utils import distributed
-from training.utils.collector import freeze_objects_alive_now
+from training.utils.runtime import distributed
+from training.utils.runtime.collector import freeze_objects_alive_now
 
 log = logging.getLogger("training")
 T = TypeVar("T")

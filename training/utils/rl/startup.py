@@ -14,18 +14,18 @@ from typing import Any
 
 import numpy as np
 
-from training.utils import openmp
-from training.utils.checkpoint import load_latest_verified, load_weights
-from training.utils.config import DeploymentConfig, RLConfig
+from training.utils.config.rl import DeploymentConfig, RLConfig
 from training.utils.deploy import Deployment, engine_runs_over_casts, start_deployment
 from training.utils.errors import ConfigError, DeploymentError
-from training.utils.lora import load_adapter
-from training.utils.model import default_device, load_model_and_tokenizer
+from training.utils.models.load import default_device, load_model_and_tokenizer
+from training.utils.models.lora import load_adapter
 from training.utils.rl.agent import AgentShim
 from training.utils.rl.dataset import as_rows, read_rows_file
 from training.utils.rl.resume import check_resumable, model_identity
 from training.utils.rl.rollout.types import RolloutSetup, SequenceLimit, sequence_limit
-from training.utils.sandbox import AgentSandbox, choose_sandbox, protect_trainer
+from training.utils.run_files.checkpoint import load_latest_verified, load_weights
+from training.utils.runtime import openmp
+from training.utils.sandbox.namespaces import AgentSandbox, choose_sandbox, protect_trainer
 from training.utils.trainer import Reference, Trainer, weight_dtype
 from training.utils.trainer.batching import Datum
 

@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from training.utils import cpu_share, machine_peak
-from training.utils.config import DeploymentConfig
+from training.utils.config.rl import DeploymentConfig
 from training.utils.deploy import Deployment, engine_dtype
-from training.utils.flops import cached_forward_flops, forward_flops
+from training.utils.models.flops import cached_forward_flops, forward_flops
 from training.utils.rl.rollout.types import PromptGroup, RolloutRun
 from training.utils.rl.train_step import PHASES
+from training.utils.runtime import cpu_share, machine_peak
 from training.utils.trainer import Reference, Trainer, compute_dtype
 
 ENGINE_COUNTERS = {

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from training.utils.config import RLConfig
+from training.utils.config.rl import RLConfig
 from training.utils.rl.advantages import compute_advantages
 from training.utils.rl.kl_estimators import KL_ESTIMATORS
 from training.utils.rl.losses import LOSS_AGG_MODES, LossBatch, LossSpec, compute_policy_loss

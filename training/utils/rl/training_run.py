@@ -41,10 +41,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from training.utils import distributed
-from training.utils.atomic_dir import check_replaceable
-from training.utils.checkpoint import checkpoint_root, latest_checkpoint, save_checkpoint
-from training.utils.config import RLConfig
+from training.utils.config.rl import RLConfig
 from training.utils.deploy import Deployment
 from training.utils.errors import (
     ConfigError,
@@ -53,8 +50,6 @@ from training.utils.errors import (
     NothingTrainedError,
     SkippedStepsError,
 )
-from training.utils.logging import RunLogger
-from training.utils.loop_watchdog import LoopWatchdog
 from training.utils.rl.dataset import DurableRowSource
 from training.utils.rl.evaluation import call_evaluation
 from training.utils.rl.groups import SettledRow
@@ -79,8 +74,13 @@ from training.utils.rl.startup import (
 from training.utils.rl.telemetry import EngineCounters, Utilisation
 from training.utils.rl.train_step import KLCoefficient
 from training.utils.rl.worker import TrainerWorker
-from training.utils.run_lock import run_lock
-from training.utils.sandbox import choose_sandbox, trainer_protected
+from training.utils.run_files.atomic_dir import check_replaceable
+from training.utils.run_files.checkpoint import checkpoint_root, latest_checkpoint, save_checkpoint
+from training.utils.run_files.logging import RunLogger
+from training.utils.run_files.run_lock import run_lock
+from training.utils.runtime import distributed
+from training.utils.runtime.loop_watchdog import LoopWatchdog
+from training.utils.sandbox.namespaces import choose_sandbox, trainer_protected
 from training.utils.trainer import Reference, Trainer
 
 log = logging.getLogger("training")

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from training.utils import distributed
+from training.utils.runtime import distributed
 
 _STOP = "stop"
 """Rank 0's last announcement: `follow()` returns."""

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from training.utils import distributed
-from training.utils.prefix_attention import Piece
+from training.utils.models.prefix_attention import Piece
+from training.utils.runtime import distributed
 from training.utils.trainer.shared_prefix import PrefixBundle, shared_layout
 
 

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from training.utils import distributed
 from training.utils.errors import ConfigError, one_line
+from training.utils.runtime import distributed
 
 logger = logging.getLogger(__name__)
 

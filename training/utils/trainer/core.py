@@ -10,12 +10,12 @@ One `Trainer` wraps one Hugging Face causal LM on one device:
 - `optim_step()`: AdamW with norm clipping and an LR schedule, skipping a step whose gradient or
   update is not finite;
 - `state_dict_for_inference()` / `save_hf(path)`: hand the weights to an inference engine;
-- `flops`: the model FLOPs of every micro-batch run so far (`training.utils.flops`), what utilisation divides.
+- `flops`: the model FLOPs of every micro-batch run so far (`training.utils.models.flops`), what utilisation divides.
 
 A reference model is a `Trainer(model, cfg, trainable=False)`: frozen, eval mode, no optimizer;
 for a LoRA policy (`cfg.lora_rank > 0`) it is `policy.adapter_disabled_reference()`, no copy.
 
-Under torchrun (`training.utils.distributed`) the model is sharded with FSDP2 and every rank
+Under torchrun (`training.utils.runtime.distributed`) the model is sharded with FSDP2 and every rank
 calls each method with the same datums: each rank trains its share of the micro-batches, the
 gradients sum to the single-process gradient, and metrics and logprobs are gathered so every
 rank returns what one process would. The export methods gather the full weights onto rank 0.
@@ -37,20 +37,20 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from training.utils import cpu_share, distributed
-from training.utils.atomic_dir import replaced_directory
-from training.utils.config import TrainerConfig
-from training.utils.cpu_attention import NAME as CPU_ATTENTION, PIECES, use_cpu_attention
+from training.utils.config.rl import TrainerConfig
 from training.utils.errors import ConfigError
-from training.utils.flops import decoder_shape, forward_flops, shared_prefix_pairs
-from training.utils.lora import (
+from training.utils.models.cpu_attention import NAME as CPU_ATTENTION, PIECES, use_cpu_attention
+from training.utils.models.flops import decoder_shape, forward_flops, shared_prefix_pairs
+from training.utils.models.lora import (
     adapter_state,
     adapters_enabled,
     merged_state_dict,
     standalone_copy,
     wrap_with_lora,
 )
-from training.utils.prefix_attention import plan_pieces
+from training.utils.models.prefix_attention import plan_pieces
+from training.utils.run_files.atomic_dir import replaced_directory
+from training.utils.runtime import cpu_share, distributed
 from training.utils.trainer.activation_checkpointing import enable_activation_checkpointing
 from training.utils.trainer.batching import (
     Datum,
@@ -95,7 +95,7 @@ class Trainer:
     With `cfg.lora_rank > 0` a trainable model is wrapped with peft LoRA adapters (`self.model`
     is the wrapper, `self.lora` is True): only the adapters are optimized, the base weights stay
     bit-identical, `adapter_disabled_reference()` serves as the KL reference, and the export
-    methods merge the adapters in (see `training.utils.lora`).
+    methods merge the adapters in (see `training.utils.models.lora`).
 
     Under torchrun the model is sharded with FSDP2 at construction (`distributed.shard_model`),
     before the optimizer is built on the shards; every rank must then make the same calls in the

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from training.utils.frozen_casts import cast_of, projects_in_blocks
+from training.utils.models.frozen_casts import cast_of, projects_in_blocks
 
 BLOCK_ELEMENTS = 1 << 22
 """Logits per block (tokens × vocabulary columns) on a CPU: 16 MiB in float32, under glibc's largest mmap threshold,

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from training.utils.config import TrainerConfig
+from training.utils.config.rl import TrainerConfig
 from training.utils.errors import one_line
 
 

@@ -7,11 +7,11 @@ import contextlib
 
 import torch
 
-from training.utils.config import TrainerConfig
+from training.utils.config.rl import TrainerConfig
 from training.utils.errors import ConfigError
-from training.utils.frozen_casts import keep_casts
-from training.utils.lora import frozen_matmul_weights
-from training.utils.model import native_bf16
+from training.utils.models.frozen_casts import keep_casts
+from training.utils.models.load import native_bf16
+from training.utils.models.lora import frozen_matmul_weights
 
 
 def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from training.utils.lora import adapters_disabled
+from training.utils.models.lora import adapters_disabled
 
 if TYPE_CHECKING:
     from training.utils.trainer.batching import Datum

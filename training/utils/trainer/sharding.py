@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from training.utils import distributed
+from training.utils.runtime import distributed
 from training.utils.trainer.batching import PaddedBatch
 
 ADDED_UP = frozenset({"skipped", "tokens_computed"})

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from training.utils.cpu_attention import NAME
 from training.utils.errors import ConfigError
-from training.utils.prefix_attention import Piece
+from training.utils.models.cpu_attention import NAME
+from training.utils.models.prefix_attention import Piece
 
 MIN_SHARED_TOKENS = 8
 """The shortest common prefix that forms a shared row; shorter ones save less than the 4-D mask costs."""

@@ -31,7 +31,7 @@ A model request's path, top to bottom (README: "The agent shim"):
    segments and one `RolloutRun` (`rollout/stitching.py`).
 """
 
-from training.utils.config import AgentShimConfig
+from training.utils.config.rl import AgentShimConfig
 from training.utils.rl.agent.chat_format import ChatFormat
 from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError
 from training.utils.rl.agent.hermes import ParsedOutput

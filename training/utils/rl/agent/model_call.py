@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from training.utils.config import AgentShimConfig
+from training.utils.config.rl import AgentShimConfig
 from training.utils.errors import DeploymentError, RecoverableRolloutError
 from training.utils.rl.agent.chat_format import ChatFormat
 from training.utils.rl.agent.chat_request import ChatRequest, WireError, refuse_unseen

@@ -52,11 +52,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from training.utils.config import AgentShimConfig
+from training.utils.config.rl import AgentShimConfig
 from training.utils.deploy.connections import BodyTooLargeError, read_body
-from training.utils.memory import give_back_memory
 from training.utils.rl.agent import fields
 from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError
+from training.utils.runtime.memory import give_back_memory
 
 if TYPE_CHECKING:
     from training.utils.rl.agent.chat_format import ChatFormat

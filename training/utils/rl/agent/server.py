@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from training.utils.config import AgentShimConfig
+from training.utils.config.rl import AgentShimConfig
 from training.utils.deploy.connections import ClientDeadlines
 from training.utils.deploy.http_client import auth_headers
 from training.utils.errors import ConfigError

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from training.utils.config import AgentShimConfig
+from training.utils.config.rl import AgentShimConfig
 from training.utils.rl.agent.chat_format import ChatFormat
 from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError
 from training.utils.rl.agent.hermes import ParsedOutput

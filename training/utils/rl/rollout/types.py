@@ -18,7 +18,7 @@ from typing import Any
 
 from training.utils.errors import RolloutContractError
 from training.utils.rl.advantages import MAX_ABS_REWARD
-from training.utils.sandbox import AgentSandbox, default_sandbox
+from training.utils.sandbox.namespaces import AgentSandbox, default_sandbox
 from training.utils.trainer.batching import Datum
 
 FINISH_REASONS = ("stop", "length", "abort")

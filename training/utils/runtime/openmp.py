@@ -98,5 +98,5 @@ def import_time_notice() -> str | None:
         return None
     settings = " ".join(f"{k}={v}" for k, v in WAIT_POLICY_ENV.items())
     return (f"{TORCH_FIRST}, so its OpenMP workers sleep between operators on a small CPU (slower on the CPU; "
-            f"training/utils/openmp.py): call it before anything imports torch, or set {settings} in the "
+            f"training/utils/runtime/openmp.py): call it before anything imports torch, or set {settings} in the "
             "environment")

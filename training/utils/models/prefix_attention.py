@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from training.utils.cpu_attention import SHORT_ROW_KEYS, short_row_attention
+from training.utils.models.cpu_attention import SHORT_ROW_KEYS, short_row_attention
 
 CALL_PAIRS = 8192
 """One batch's fixed cost in (query, key) pairs, what `plan_pieces` weighs a further batch by: an sdpa call's

@@ -1,7 +1,7 @@
 """The first process inside an agent's sandbox: it builds the agent's view (with `unshare`), forwards its model
 endpoint, starts the agent and reaps what it leaves.
 
-Run by `sandbox.py` as `python -I -S sandbox_init.py FD` inside fresh pid, mount and network namespaces (made by
+Run by `namespaces.py` as `python -I -S init.py FD` inside fresh pid, mount and network namespaces (made by
 bubblewrap or by util-linux's `unshare`); it imports nothing of `training` (nor site-packages), so the agent's view
 needs nothing of the trainer's. `FD` is a pipe it reads its spec from, as JSON:
 

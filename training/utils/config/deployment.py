@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from training.utils import cookbook_config
-from training.utils.config_base import FiniteFloat, StrictModel
+from training.utils.config import cookbook as cookbook_config
+from training.utils.config.base import FiniteFloat, StrictModel
 
 
 class SamplingConfig(StrictModel):
@@ -133,7 +133,7 @@ class DeploymentConfig(StrictModel):
 
     _elsewhere: dict[str, Any] = PrivateAttr(default_factory=dict)
     """The cookbook's `DeployConfig` names given here that live in another part of the config (`sample_timeout`:
-    `sampling.timeout_s`); the recipe's Config moves them there (`cookbook_config.py`)."""
+    `sampling.timeout_s`); the recipe's Config moves them there (`config/cookbook.py`)."""
 
     @model_validator(mode="wrap")
     @classmethod

@@ -16,7 +16,7 @@ from functools import cache
 import torch
 from torch.distributed.tensor import DTensor
 
-from training.utils.allocator import active_allocator
+from training.utils.runtime.allocator import active_allocator
 
 GIB = float(1 << 30)
 

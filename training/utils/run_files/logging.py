@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from training.utils.jsonl import read_jsonl
+from training.utils.run_files.jsonl import read_jsonl
 
 log = logging.getLogger("training")
 

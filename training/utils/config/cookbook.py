@@ -25,7 +25,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel
 
-from training.utils.config_base import StrictModel
+from training.utils.config.base import StrictModel
 
 
 class CookbookSettingWarning(UserWarning):
@@ -271,7 +271,7 @@ def warn(name: str, text: str) -> None:
     warnings.warn(f"{name}: {text}", CookbookSettingWarning, stacklevel=_callers_level())
 
 
-_INSIDE = (str(Path(__file__).resolve().parents[1]), str(Path(pydantic.__file__).resolve().parent))
+_INSIDE = (str(Path(__file__).resolve().parents[2]), str(Path(pydantic.__file__).resolve().parent))
 
 
 def _callers_level() -> int:

@@ -3,7 +3,7 @@ progress and the dataset's fingerprint it records.
 
 Checksums catch accidents, not an adversary: whoever rewrites a file can rewrite its checksum too. The key is 32
 random bytes in `<log_path>/run.key` (0600), made by the run's first checkpoint; the run directory is hidden from
-every agent's sandbox (`training/utils/sandbox.py`), so an agent can neither read the key nor replace it. A
+every agent's sandbox (`training/utils/sandbox/namespaces.py`), so an agent can neither read the key nor replace it. A
 checkpoint's `checksums.json` carries an HMAC-SHA256 of its file entries under that key; on load a missing or
 wrong signature refuses the checkpoint by name, as a changed file does.
 

@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from training.utils import cookbook_config
-from training.utils.config_base import FiniteFloat, StrictModel
+from training.utils.config import cookbook as cookbook_config
+from training.utils.config.base import FiniteFloat, StrictModel
 
 AdamBeta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
 """One AdamW decay rate: in [0, 1). At 1 the moment estimates never forget and their bias correction divides by 0."""

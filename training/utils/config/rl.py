@@ -2,8 +2,8 @@
 
 Each field's docstring is its documentation. Configs reject unknown keys and validate at
 construction, so a typo or an impossible value fails before any model is loaded. The trainer's
-config lives in `trainer_config.py`, the inference side's (sampling, deployment, agent shim) in
-`deployment_config.py`; every config is importable from here.
+config lives in `trainer.py`, the inference side's (sampling, deployment, agent shim) in
+`deployment.py`; every config is importable from here.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from training.utils import cookbook_config
-from training.utils.config_base import FiniteFloat, StrictModel
-from training.utils.deployment_config import AgentShimConfig, DeployConfig, DeploymentConfig, SamplingConfig
+from training.utils.config import cookbook as cookbook_config
+from training.utils.config.base import FiniteFloat, StrictModel
+from training.utils.config.deployment import AgentShimConfig, DeployConfig, DeploymentConfig, SamplingConfig
+from training.utils.config.trainer import TrainerConfig
 from training.utils.rl.advantages import ADVANTAGE_ESTIMATORS
 from training.utils.rl.kl_estimators import KL_ESTIMATORS
 from training.utils.rl.loss_aggregation import LOSS_AGG_MODES
@@ -26,7 +27,6 @@ from training.utils.rl.losses import (
     checked_policy_loss,
     policy_loss_named,
 )
-from training.utils.trainer_config import TrainerConfig
 
 __all__ = [
     "AgentShimConfig",

@@ -4,7 +4,7 @@ output in place.
 peft's LoRA linear computes `result + lora_B(lora_A(dropout(x))) * scaling` out of place: two more tensors of the
 output's size in each forward (and their gradients in each backward), behind per-call checks of its adapters, dtypes
 and dropout. With one plain adapter the same sum is one `addmm_` into the base output. Imported where LoRA is used
-(`training.utils.lora`), so a full fine-tuning run never imports peft.
+(`training.utils.models.lora`), so a full fine-tuning run never imports peft.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from peft.tuners.lora import Linear as PeftLinear
 from torch import Tensor
 
-from training.utils.frozen_casts import autocast_cast_of
-from training.utils.peft_names import ADAPTER
+from training.utils.models.frozen_casts import autocast_cast_of
+from training.utils.models.peft_names import ADAPTER
 
 
 def plain_linear_adapter(layer: PeftLinear) -> bool:
@@ -31,7 +31,7 @@ class AddedLoraLinear(PeftLinear):
     two output-sized tensors peft's sum makes. Where the base trains, the base comes first and the adapter's product
     is added into it.
 
-    `training.utils.lora.wrap_with_lora` gives every plain one-adapter linear this class. Everything else is peft's:
+    `models.lora.wrap_with_lora` gives every plain one-adapter linear this class. Everything else is peft's:
     the parameters and their names, the state dict, merging, saving, disabling; and the forward itself whenever it is
     not the one sum (adapters disabled or merged, another adapter active, extra arguments, or an adapter in another
     dtype than its base outside autocast, where peft's casts decide). Under autocast the adapter's matmuls run in

@@ -16,7 +16,7 @@ reward, so each agent runs in fresh pid, mount and network namespaces (docs/agen
 - every capability dropped and `no_new_privs`, also when the trainer runs as root.
 
 Backends, the first that works on this machine chosen once at start-up (`choose_sandbox`) and printed: `bwrap`
-(bubblewrap), `unshare` (util-linux, with `sandbox_init.py` building the same view through a user namespace when
+(bubblewrap), `unshare` (util-linux, with `sandbox/init.py` building the same view through a user namespace when
 not root), or `none`: the agent runs in a process group of its own, killed as a group, and nothing else is
 isolated (a warning says what to install; `agent_sandbox="required"` refuses to start instead).
 """
@@ -44,7 +44,7 @@ from training.utils.errors import ConfigError
 
 logger = logging.getLogger("training")
 
-INIT = Path(__file__).with_name("sandbox_init.py")
+INIT = Path(__file__).with_name("init.py")
 SANDBOX_KINDS = ("bwrap", "unshare", "none")
 OUTPUT_KEPT_BYTES = 64 * 1024
 """Of an agent's stdout and stderr, the last this many bytes are read: an agent cannot fill the trainer's memory."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from training.utils.model import cache_dir, native_bf16
+from training.utils.models.load import cache_dir, native_bf16
 
 log = logging.getLogger(__name__)
 

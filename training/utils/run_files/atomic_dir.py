@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from training.utils.errors import ConfigError
-from training.utils.run_lock import pid_alive
+from training.utils.run_files.run_lock import pid_alive
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2

@@ -69,9 +69,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from training.utils import distributed, run_key
-from training.utils.atomic_dir import fsync_dir
 from training.utils.errors import CheckpointError, ConfigError
+from training.utils.run_files import run_key
+from training.utils.run_files.atomic_dir import fsync_dir
+from training.utils.runtime import distributed
 from training.utils.trainer import Trainer
 
 log = logging.getLogger(__name__)

@@ -42,8 +42,8 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from training.utils.errors import ConfigError, DeploymentError
-from training.utils.frozen_casts import cast_of, projects_in_blocks
-from training.utils.peft_names import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from training.utils.models.frozen_casts import cast_of, projects_in_blocks
+from training.utils.models.peft_names import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -60,7 +60,7 @@ def wrap_with_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: 
     """
     from peft import LoraConfig, get_peft_model
 
-    from training.utils.lora_layers import AddedLoraLinear, PeftLinear, plain_linear_adapter
+    from training.utils.models.lora_layers import AddedLoraLinear, PeftLinear, plain_linear_adapter
 
     missing = [name for name in target_modules if not _has_linear(model, name)]
     if missing:
@@ -117,7 +117,7 @@ def merged_state_dict(model: torch.nn.Module) -> MergedState:
 
 def _merged_weight(module) -> Tensor:
     """`W + scaling·B·A` of one adapted layer, summed in float32 and rounded once to W's dtype."""
-    from training.utils.lora_layers import plain_linear_adapter
+    from training.utils.models.lora_layers import plain_linear_adapter
 
     weight = module.get_base_layer().weight
     if plain_linear_adapter(module):
@@ -176,7 +176,7 @@ def adapter_of(state) -> AdapterState:
 def frozen_matmul_weights(model: torch.nn.Module) -> list[Tensor]:
     """The frozen weights a LoRA model's matmuls read: each adapted layer's base weight and a plain linear output
     head's weight (tied to the input embedding or not), each once; what `frozen_casts.keep_casts` keeps cast."""
-    from training.utils.lora_layers import AddedLoraLinear
+    from training.utils.models.lora_layers import AddedLoraLinear
 
     weights = [layer.get_base_layer().weight for layer in model.modules() if isinstance(layer, AddedLoraLinear)]
     head = model.get_output_embeddings()
@@ -199,7 +199,7 @@ def shared_base_copy(model: torch.nn.Module, dtype: torch.dtype | None = None
     Safe because a LoRA trainer never writes its base: only the adapters have gradients and optimizer state.
     The engine then computes the function the trainer differentiates (the same unmerged matmuls), not a merge of it.
     """
-    from training.utils.lora_layers import UnmergedLinear
+    from training.utils.models.lora_layers import UnmergedLinear
 
     frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
     if dtype is not None:

@@ -19,8 +19,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from training.utils import distributed
 from training.utils.errors import RunDirectoryInUseError
+from training.utils.runtime import distributed
 
 LOCK_FILE = "run.lock"
 

