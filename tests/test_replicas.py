@@ -18,6 +18,8 @@ from training.utils.deploy import start_deployment
 from training.utils.deploy.replicas import prometheus_sums
 from training.utils.errors import NoReplicaLeftError, RecoverableDeploymentError
 from training.utils.models.tiny import tiny_config
+from training.utils.rl.dataset import RowItem
+from training.utils.rl.rollout.invoke import bind_draws
 
 PROMPT = [5, 6, 7]
 
@@ -158,6 +160,35 @@ def test_the_librarys_own_choice_keeps_a_trajectory_on_its_replica_and_spreads_n
     assert second is not first and again is first
     assert step[f"deploy/replica/{first.name}/requests"] == 3 and step[f"deploy/replica/{second.name}/requests"] == 0
     assert step[f"deploy/replica/{first.name}/tokens"] > 0 and step[f"deploy/replica/{first.name}/in_flight"] == 0
+
+
+def test_a_multi_turn_rollout_naming_no_key_keeps_each_rows_draws_on_one_replica(tmp_path):
+    """A rollout that calls `sampler.sample` turn after turn without `user=` (as the multi-turn example does): every
+    request of a row's draws carries that row's key, on one replica, and another row's key differs."""
+    async def main():
+        async with two_fakes() as (a, b):
+            dep = await deploy((a, b), tmp_path)
+            try:
+                await dep.weight_sync.sync(small_state(1), 1)
+
+                async def rollout_fn(row):
+                    for _ in range(3):  # three turns, each a request of its own
+                        await dep.sampler.sample(PROMPT, 2, max_tokens=3)
+
+                draw = bind_draws(rollout_fn, rows_per_epoch=4, vocab_size=None, timeout_s=30)
+                items = [RowItem({"id": f"q{i}"}, f"q{i}", i, i, 0) for i in range(2)]
+                await asyncio.gather(*(draw(item, g, 1) for item in items for g in range(2)))
+                await dep.sampler.sample(PROMPT, 2, max_tokens=3)  # outside any draw: no key
+            finally:
+                await dep.close()
+            return {name: [body.get("user") for body in server.bodies("/v1/completions")]
+                    for name, server in (("a", a), ("b", b))}
+
+    users = asyncio.run(main())
+    keys = [key for sent in users.values() for key in sent]
+    assert sorted(keys, key=str) == sorted(["row-0"] * 6 + ["row-1"] * 6 + [None], key=str)
+    for key in ("row-0", "row-1"):
+        assert sum(key in sent for sent in users.values()) == 1, f"{key}'s requests went to both replicas: {users}"
 
 
 def test_a_request_to_a_replica_that_died_goes_to_another_and_the_dead_one_is_out(tmp_path, caplog):

@@ -32,7 +32,7 @@ from training.utils.deploy.external import SERVER_KINDS, ExternalDeployment, con
 from training.utils.deploy.handle import DeploymentHandle, weight_dir_for
 from training.utils.deploy.http_client import AdminClient
 from training.utils.deploy.replicas import SERVING, Replica, ReplicaSet, RouterClient
-from training.utils.deploy.sampler import Sampler
+from training.utils.deploy.sampler import DRAW_AFFINITY, Sampler
 from training.utils.errors import DeploymentError, RecoverableDeploymentError, one_line
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class ReplicaSampler(Sampler):
             if self.tokenizer is None:
                 raise ValueError("sample() got a text prompt but the Sampler has no tokenizer")
             prompt_ids = self.tokenizer.encode(prompt_ids, add_special_tokens=False)
+        user = user or DRAW_AFFINITY.get()
         tried: set[str] = set()
         while True:
             replica = self.choose(user, tried)

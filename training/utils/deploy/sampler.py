@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from contextvars import ContextVar
 
 import aiohttp
 
@@ -40,6 +41,9 @@ RETRY_STATUSES = frozenset({429})
 AFFINITY_HEADER = "X-Session-ID"
 """Carries `sample(user=...)`, the trajectory's affinity key, besides the body's `user`: what a router keeps one
 trajectory on one replica by."""
+DRAW_AFFINITY: ContextVar[str | None] = ContextVar("draw_affinity", default=None)
+"""The affinity key of the rollout draw running in this task (set by the recipes for each `rollout_fn` call): a
+`sample()` without `user=` carries it, so a multi-turn rollout stays on one replica without naming a key."""
 # Seconds added to a request's own timeout for the HTTP round trip: the server times out first
 # and says so, the client only when the server is unreachable or stalled.
 _TRANSPORT_SLACK_S = 10.0
@@ -133,9 +137,10 @@ class Sampler:
         """Sample `n` completions of `prompt_ids` (a text prompt needs `tokenizer`).
 
         `user` is an affinity key forwarded to the deployment (the body's `user` and the `X-Session-ID` header) so
-        one trajectory's requests stay on one replica (prefix-cache reuse); each `Completion.prompt_ids` is the
-        prompt the server echoed.
+        one trajectory's requests stay on one replica (prefix-cache reuse); without it, the key of the draw this
+        task runs (`DRAW_AFFINITY`). Each `Completion.prompt_ids` is the prompt the server echoed.
         """
+        user = user or DRAW_AFFINITY.get()
         if isinstance(prompt_ids, str):
             if self.tokenizer is None:
                 raise ValueError("sample() got a text prompt but the Sampler has no tokenizer")

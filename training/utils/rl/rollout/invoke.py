@@ -14,6 +14,7 @@ is still running then has swallowed `CancelledError`; it is abandoned and the ru
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import sys
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,7 @@ from typing import Any
 
 import aiohttp
 
+from training.utils.deploy.sampler import DRAW_AFFINITY
 from training.utils.errors import ConfigError, RecoverableRolloutError, RolloutCancellationError
 from training.utils.rl.dataset import RowItem
 from training.utils.rl.rollout.types import RolloutRun, SequenceLimit, validate_run
@@ -118,8 +120,11 @@ def bind_draws(rollout_fn: Callable, *, rows_per_epoch: int, vocab_size: int | N
     async def draw(item: RowItem, sample_index: int, submit_version: int) -> DrawResult:
         context = draw_context(item, rows_per_epoch=rows_per_epoch, sample_index=sample_index,
                                submit_version=submit_version, evaluation=evaluation)
+        # The G draws of one row share its prompt: one affinity key keeps them on one replica's prefix cache.
+        affinity = f"{'eval' if evaluation else 'row'}-{item.cursor_index}"
         return await run_draw(rollout_fn, item.row, context, context_keys, row_id=item.row_id,
-                              draw_index=sample_index, vocab_size=vocab_size, timeout_s=timeout_s, limit=limit)
+                              draw_index=sample_index, vocab_size=vocab_size, timeout_s=timeout_s, limit=limit,
+                              affinity=affinity)
 
     return draw
 
@@ -135,11 +140,15 @@ async def run_draw(
     vocab_size: int | None,
     timeout_s: float,
     limit: SequenceLimit | None = None,
+    affinity: str | None = None,
 ) -> DrawResult:
-    """Call `rollout_fn(row, **ctx)` with a timeout; drops are returned, bugs are raised."""
+    """Call `rollout_fn(row, **ctx)` with a timeout; drops are returned, bugs are raised. The call's samples
+    without a `user=` of their own carry `affinity` (`DRAW_AFFINITY`), in the call's task only."""
     kwargs = {k: context[k] for k in accepted_keys if k in context}
-    call = asyncio.ensure_future(rollout_fn(row, **kwargs))
-    call.set_name(f"rollout_fn row {row_id!r} draw {draw_index}")
+    call_context = contextvars.copy_context()
+    call_context.run(DRAW_AFFINITY.set, affinity)
+    call = asyncio.get_running_loop().create_task(rollout_fn(row, **kwargs), context=call_context,
+                                                  name=f"rollout_fn row {row_id!r} draw {draw_index}")
     try:
         await asyncio.wait([call], timeout=timeout_s)
     except asyncio.CancelledError:
