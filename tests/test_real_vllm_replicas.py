@@ -106,9 +106,10 @@ def versions_after_each_step(servers, seen: dict):
     return evaluation_fn
 
 
-def two_turn_rollouts(on_draw=None):
+def two_turn_rollouts(on_draw=None, token_versions: list | None = None):
     """Each draw samples twice under one affinity key (the second turn extends the first), so a router that keeps a
-    trajectory on one replica shows it in its log; `on_draw(submit_version)` runs first (kills, waits)."""
+    trajectory on one replica shows it in its log; `on_draw(submit_version)` runs first (kills, waits). Each turn's
+    per-token weight versions go to `token_versions` as (submit_version, versions)."""
 
     def make_rollout_fn(setup):
         async def rollout_fn(row, row_index, sample_index, submit_version):
@@ -119,6 +120,8 @@ def two_turn_rollouts(on_draw=None):
             kwargs = dict(setup.sample_kwargs, max_tokens=12)
             (first,) = await setup.sampler.sample(prompt, seed=100 * row_index + sample_index, user=key, **kwargs)
             (second,) = await setup.sampler.sample(prompt + first.output_ids, seed=7, user=key, **kwargs)
+            if token_versions is not None:
+                token_versions.extend([(submit_version, first.versions), (submit_version, second.versions)])
             return sample_from_completion(prompt + first.output_ids, second.output_ids, second.logprobs,
                                           reward=float(second.output_ids[0] % 2), finish_reason=second.finish_reason)
 
@@ -155,9 +158,14 @@ def test_a_run_trains_to_the_end_with_both_replicas_serving_and_in_sync_at_every
     model, tok = smollm2
     seen: dict[int, tuple] = {}
     rows = recipe_rows(tok)[:6]
-    summary = async_rl_loop.main(run_cfg(servers, router, tmp_path), rollout_fn_factory=two_turn_rollouts(),
-                                 rows=rows, evaluation_fn=versions_after_each_step(servers, seen))
+    token_versions: list = []
+    summary = async_rl_loop.main(run_cfg(servers, router, tmp_path), rollout_fn_factory=two_turn_rollouts(
+        token_versions=token_versions), rows=rows, evaluation_fn=versions_after_each_step(servers, seen))
     assert summary["steps"] == 3 and summary["version"] == 3
+    # Through the router, every token still names the weights that sampled it: the published version the draw was
+    # submitted on, or one published while it ran (the run is at most one version off-policy), never one unseen.
+    assert token_versions and all(v and all(submit <= x <= submit + 1 for x in v) for submit, v in token_versions), \
+        token_versions[:4]
     assert seen == {step: (str(step), str(step)) for step in range(4)}, seen
     records = [r for r in read_ledger(summary["ledger"]) if "train/loss" in r]
     assert all(r["rollout/sampler_trainer_logprob_diff"] < MATCH_NATS for r in records)
