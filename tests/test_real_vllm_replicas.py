@@ -48,7 +48,9 @@ REJOIN_TIMEOUT_S = 400.0
 def servers(tmp_path_factory):
     venv, logs = vllm_venv(), tmp_path_factory.mktemp("replicas")
     model_dir = resolve_model_source(SMOLLM2_ALIAS)
-    pair = [VLLMProcess(venv, model_dir, logs / f"server{i}.log", cores=str(i)) for i in range(2)]
+    # --enable-scale-out: vLLM serves /inference/v1/generate, whose per-token versions the router passes through
+    pair = [VLLMProcess(venv, model_dir, logs / f"server{i}.log", cores=str(i), extra_args=("--enable-scale-out",))
+            for i in range(2)]
     try:
         started = time.monotonic()
         for server in pair:
