@@ -23,8 +23,8 @@ it (`tests/test_agent_request_path.py` traces it).
 3. `model_call.py` answers it in the session's queue (`turn_queue.py`), phase after phase:
    a. match and render (`session.py`'s `prepare`, in a render thread): the request matched to a
       recorded turn (`rollout/turn_matching.py`: NEW, APPEND, or WIPE, which is a branch or a
-      compaction), then its prompt ids built (`prompt.py`, with `chat_format.py`'s chat template,
-      `hermes.py` for what the template cannot show, and `rollout/messages.py`'s token assembly);
+      compaction), then its prompt ids built (`prompt.py`, with `chat_format.py`'s chat template
+      and Hermes text for what the template cannot show, and `rollout/messages.py`'s token assembly);
    b. sample: the deployment samples it, and the answer is checked against the prompt
       (`rollout/stitching.py`'s `check_turn`);
    c. reply: what the client is told (`model_call.client_reply`), encoded by the wire's codec;
@@ -35,9 +35,8 @@ it (`tests/test_agent_request_path.py` traces it).
 """
 
 from training.utils.config.rl import AgentShimConfig
-from training.utils.rl.agent.chat_format import ChatFormat
+from training.utils.rl.agent.chat_format import ChatFormat, ParsedOutput
 from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError
-from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.agent.server import AgentShim
 from training.utils.rl.agent.session import ShimSession
 from training.utils.rl.agent.sessions import SessionExpiredError, SessionLimitError, SessionTimeoutError

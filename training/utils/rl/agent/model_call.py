@@ -64,9 +64,8 @@ from aiohttp import web
 
 from training.utils.config.rl import AgentShimConfig
 from training.utils.errors import DeploymentError, RecoverableRolloutError
-from training.utils.rl.agent.chat_format import ChatFormat
+from training.utils.rl.agent.chat_format import ChatFormat, ParsedOutput, parse_assistant_text
 from training.utils.rl.agent.chat_request import ChatRequest, WireError, WireReply
-from training.utils.rl.agent.hermes import ParsedOutput, parse_assistant_text
 from training.utils.rl.agent.request_body import RequestWorkers
 from training.utils.rl.agent.session import PreparedTurn, ShimSession
 from training.utils.rl.agent.turn_queue import QueueTimeoutError
@@ -110,8 +109,8 @@ class ModelCalls:
 
     async def _turn(self, request: web.Request, session: ShimSession, chat: ChatRequest,
                     codec: TurnCodec) -> web.StreamResponse:
-        prepared = await self.workers.prepare(session, chat, replay_route=request.path if is_sdk_retry(request)
-                                              else None)  # 1.
+        replay_route = request.path if is_sdk_retry(request) else None
+        prepared = await self.workers.prepare(session, chat, replay_route)  # 1. matched and prompted
         if prepared.replay is not None:
             resp, _ = await self._send_content(request, session, prepared.replay)
             return await self._close(resp, prepared.replay)

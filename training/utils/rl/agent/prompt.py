@@ -20,9 +20,8 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from training.utils.deploy.completion import Completion
-from training.utils.rl.agent.chat_format import ChatFormat
+from training.utils.rl.agent.chat_format import ChatFormat, ParsedOutput
 from training.utils.rl.agent.chat_request import ChatRequest, WireError
-from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.rollout.messages import ChatAssembler, ChatAssemblyError
 from training.utils.rl.rollout.turn_matching import normalize_message, unit_hash
 

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from training.utils.config.rl import AgentShimConfig
-from training.utils.rl.agent.chat_format import ChatFormat
+from training.utils.rl.agent.chat_format import ChatFormat, ParsedOutput
 from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireReply, overflow_message
-from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.agent.prompt import SessionPrompts, recorded_message
 from training.utils.rl.agent.turn_queue import TurnQueue
 from training.utils.rl.rollout.messages import ChatAssembler
@@ -80,6 +79,17 @@ turn: a summary, a sub-agent's first request); `auxiliary` answered tool-less ca
 nothing recorded)."""
 
 _KIND_COUNTERS = {"new": "new", "append": "appends", "branch": "branches", "compaction": "compactions"}
+
+
+class Match(NamedTuple):
+    """A request matched against a session's recorded turns (None and "" for an auxiliary call, never matched)."""
+
+    units: list | None
+    decision: TurnDecision | None
+    kind: str
+    """`turn_matching.turn_label`: "new", "append", "branch" or "compaction"."""
+    key: str
+    """`request_hash(request)`."""
 
 
 @dataclass
@@ -246,12 +256,12 @@ class ShimSession:
         # continues a turn only when this fresh render starts with that turn's prompt + output.
         by_prompt = self._fingerprinter.name == "token_prefix"
         match = self._match(request, None) if trainable and not by_prompt else None
-        prompt, fell_back = self.prompts.build(request, None if match is None else match[1].parent)
+        prompt, fell_back = self.prompts.build(request, None if match is None else match.decision.parent)
         if fell_back:
             # Stitching splits the segment where this render and the recorded ids disagree: nothing is lost.
             self.count("render_fallbacks")
         if match is None:
-            match = self._match(request, prompt.ids) if trainable else (None, None, "", request_hash(request))
+            match = self._match(request, prompt.ids) if trainable else Match(None, None, "", request_hash(request))
         units, decision, kind, key = match
         try:
             max_tokens, limited_by = turn_max_tokens(len(prompt.ids), trainer=self._max_tokens,
@@ -265,11 +275,11 @@ class ShimSession:
         return PreparedTurn(request, prompt.restored, prompt.ids, max_tokens, limited_by, trainable, units, decision,
                             kind, prompt.assembler, prompt.how, prompt.prefill, prompt.prefill_ids, key, replay)
 
-    def _match(self, request: ChatRequest, prompt_ids: list[int] | None) -> tuple[list, TurnDecision, str, str]:
-        """(units, the parent decision, what the turn is, the request's hash): everything turn matching says of it."""
+    def _match(self, request: ChatRequest, prompt_ids: list[int] | None) -> Match:
+        """Everything turn matching says of the request, against the turns recorded so far."""
         units = self._fingerprinter.units(TurnRequest(request.system, request.messages, prompt_ids))
         decision = resolve_parent(units, self._response_units, self._leaf, self._stored_units)
-        return units, decision, turn_label(decision, units, self._root_requests), request_hash(request)
+        return Match(units, decision, turn_label(decision, units, self._root_requests), request_hash(request))
 
     # ------------------------------------------------------------------ 2. stage
 

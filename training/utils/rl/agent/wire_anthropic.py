@@ -26,8 +26,8 @@ import secrets
 from typing import Any
 
 from training.utils.rl.agent import chat_request
+from training.utils.rl.agent.chat_format import ParsedOutput, decoded_arguments, retag_tool_call_id
 from training.utils.rl.agent.chat_request import ChatRequest, UnseenPart, WireError, system_reminder
-from training.utils.rl.agent.hermes import ParsedOutput, decoded_arguments, retag_tool_call_id
 from training.utils.rl.agent.wire_format import TokenCount, TurnCodec, WireFormat, count_tokens_route, model_call_route
 from training.utils.rl.rollout.turn_matching import BILLING_HEADER_PREFIX
 

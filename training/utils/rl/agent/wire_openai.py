@@ -23,8 +23,8 @@ import time
 from typing import Any
 
 from training.utils.rl.agent import chat_request
+from training.utils.rl.agent.chat_format import ParsedOutput
 from training.utils.rl.agent.chat_request import ChatRequest, UnseenPart, WireError, system_reminder
-from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.agent.wire_format import TurnCodec, WireFormat, model_call_route
 
 _ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}

@@ -41,13 +41,13 @@ from typing import Any
 from aiohttp import web
 
 from training.utils.rl.agent import chat_request
+from training.utils.rl.agent.chat_format import ParsedOutput
 from training.utils.rl.agent.chat_request import (
     ChatRequest,
     UnseenPart,
     WireError,
     system_reminder,
 )
-from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.agent.reasoning_seal import ReasoningSeal
 from training.utils.rl.agent.responses_stream import failed_events, response_events
 from training.utils.rl.agent.wire_format import Route, TurnCodec, WireFormat
