@@ -27,8 +27,8 @@ from shim_support import (
     trained_tokens,
 )
 from training.utils.config.rl import AgentShimConfig, RLConfig
+from training.utils.rl.agent.chat_format import tools_system_text
 from training.utils.rl.agent.chat_request import ChatRequest
-from training.utils.rl.agent.hermes import tools_system_text
 
 ANTHROPIC_TOOLS = [
     {

@@ -223,7 +223,8 @@ def test_a_prompt_whose_text_cannot_fit_is_refused_before_rendering(tiny, monkey
     the bound lets through still gets the exact count, rendered."""
     prepared = []
     original = ShimSession.prepare
-    monkeypatch.setattr(ShimSession, "prepare", lambda self, chat: prepared.append(chat) or original(self, chat))
+    monkeypatch.setattr(ShimSession, "prepare",
+                        lambda self, chat, **kw: prepared.append(chat) or original(self, chat, **kw))
     huge = [{"role": "user", "content": "y" * 200_000}]
     near = [{"role": "user", "content": "y" * 13_000}]  # 1000 tokens by the bound, 1000 + template exactly
 
@@ -282,9 +283,9 @@ def test_the_body_limit_is_derived_from_the_context_unless_set():
 def test_a_render_that_outlasts_the_request_timeout_is_a_503_and_the_session_recovers(tiny, monkeypatch):
     original = ShimSession.prepare
 
-    def slow_prepare(self, chat):
+    def slow_prepare(self, chat, **kw):
         time.sleep(2.0)
-        return original(self, chat)
+        return original(self, chat, **kw)
 
     async def scenario():
         async with shim_stack(tiny, request_timeout_s=1.0) as (shim, spy):

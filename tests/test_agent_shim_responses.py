@@ -29,7 +29,7 @@ from shim_support import (
     shim_stack,
     trained_tokens,
 )
-from training.utils.rl.agent.hermes import tools_system_text
+from training.utils.rl.agent.chat_format import tools_system_text
 from training.utils.rl.agent.reasoning_seal import ReasoningSeal
 from training.utils.rl.agent.wire_openai_responses import ResponsesTurn, reply_identity
 

@@ -18,9 +18,8 @@ from aiohttp import web
 from training.utils.deploy.completion import Completion
 from training.utils.models.load import load_tokenizer, smollm2_available
 from training.utils.models.tiny import CHATML_TEMPLATE, make_test_tokenizer
-from training.utils.rl.agent.chat_format import ChatFormat
+from training.utils.rl.agent.chat_format import ChatFormat, ParsedOutput, parse_assistant_text, tools_system_text
 from training.utils.rl.agent.chat_request import ChatRequest, UnseenPart, WireError
-from training.utils.rl.agent.hermes import ParsedOutput, parse_assistant_text, tools_system_text
 from training.utils.rl.agent.wire_anthropic import (
     anthropic_assistant_message,
     anthropic_error_body,

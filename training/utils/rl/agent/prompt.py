@@ -1,4 +1,4 @@
-"""A turn's prompt ids, built token-exactly from its request, and the room they leave to generate.
+"""A turn's prompt ids, built token-exactly from its request (`SessionPrompts.build`).
 
 Replies already sampled must reach the model again as the ids it sampled: re-tokenizing a
 reply's text can change them, and the trainer would score tokens the model never produced.
@@ -7,7 +7,9 @@ ids, and a request that continues that turn extends the snapshot; anything else,
 snapshot that cannot be extended, is a fresh render of the whole request (stitching then
 splits where the ids disagree, losing nothing). Before either, replies the client echoes
 are restored to what the model wrote (clients drop reasoning and re-serialize arguments),
-and a trailing assistant message is split off as a prefill the model continues.
+and a trailing assistant message is split off as a prefill the model continues. `build` does
+these in that order, each helper once: the identities (`turn_matching`), then the template form of
+the messages (`chat_format.py`), then the ids (`rollout/messages.py`'s `ChatAssembler`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from training.utils.deploy.completion import Completion
-from training.utils.rl.agent.chat_format import ChatFormat
-from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError, overflow_message
-from training.utils.rl.agent.hermes import ParsedOutput
+from training.utils.rl.agent.chat_format import ChatFormat, ParsedOutput
+from training.utils.rl.agent.chat_request import ChatRequest, WireError
 from training.utils.rl.rollout.messages import ChatAssembler, ChatAssemblyError
 from training.utils.rl.rollout.turn_matching import normalize_message, unit_hash
 
@@ -40,6 +41,21 @@ class Render(NamedTuple):
     how: str
     """"snapshot" (extended the parent's exact ids), "fresh" (whole request rendered) or "template"
     (rendered by the chat format because the assembler could not round-trip the text)."""
+
+
+class Prompt(NamedTuple):
+    """A request's prompt: its ids and how they were built."""
+
+    restored: ChatRequest
+    """The request with echoed replies restored to the recorded ones and without its prefill: what was rendered."""
+    ids: list[int]
+    """The rendered history, the generation prompt, then the prefill's ids."""
+    assembler: ChatAssembler | None
+    how: str
+    """`Render.how`."""
+    prefill: str | None
+    """The client's trailing assistant text the model continues (None: no prefill)."""
+    prefill_ids: list[int]
 
 
 class SessionPrompts:
@@ -71,7 +87,19 @@ class SessionPrompts:
             messages.append(message)
         return replace(request, messages=messages)
 
-    def split_prefill(self, request: ChatRequest) -> tuple[ChatRequest, str | None, list[int]]:
+    def build(self, request: ChatRequest, parent: int | None) -> tuple[Prompt, bool]:
+        """The request's prompt, extending recorded turn `parent`'s exact ids when it can, else rendered afresh; and
+        whether an extension was tried and failed (the caller counts it)."""
+        restored, prefill, prefill_ids = self._split_prefill(self.restore_recorded(request))
+        messages = self._chat_format.template_messages(restored)
+        tools = self._chat_format.tools_for_template(restored)
+        render = None if parent is None else self._extend(messages, tools, parent)
+        fell_back = parent is not None and render is None
+        if render is None:
+            render = self._fresh(restored, messages, tools)
+        return Prompt(restored, render.ids + prefill_ids, render.assembler, render.how, prefill, prefill_ids), fell_back
+
+    def _split_prefill(self, request: ChatRequest) -> tuple[ChatRequest, str | None, list[int]]:
         """The request without a trailing assistant message, that message's text to continue (or None), and its ids.
 
         Anthropic's prefill: the reply continues the text in place, so the prompt is the history, the
@@ -87,25 +115,24 @@ class SessionPrompts:
         ids = self._tokenizer.encode(text, add_special_tokens=False) if text else []
         return replace(request, messages=request.messages[:-1]), text, ids
 
-    def fresh(self, request: ChatRequest) -> Render:
-        """The whole request rendered anew."""
-        assembler = ChatAssembler(self._tokenizer, tools=self._chat_format.tools_for_template(request),
-                                  **self._chat_format.template_kwargs)
+    def _fresh(self, request: ChatRequest, messages: list[dict], tools: list[dict] | None) -> Render:
+        """The whole request rendered anew (`messages` and `tools` are its template form)."""
+        assembler = ChatAssembler(self._tokenizer, tools=tools, **self._chat_format.template_kwargs)
         try:
-            return Render(assembler.prompt_ids(self._chat_format.template_messages(request)), assembler, "fresh")
+            return Render(assembler.prompt_ids(messages), assembler, "fresh")
         except _ASSEMBLY_FAILURES as e:
             # e.g. a tokenizer that does not round-trip the template text: no snapshot for this turn.
             logger.debug("session %s: fresh assembly failed (%r); using the chat format's render", self._key, e)
         return Render(list(self._chat_format.render(request)), None, "template")
 
-    def extend(self, request: ChatRequest, parent: int) -> Render | None:
+    def _extend(self, messages: list[dict], tools: list[dict] | None, parent: int) -> Render | None:
         """The request rendered as a continuation of recorded turn `parent`'s exact ids; None when it cannot be."""
         snapshot = self._snapshots.get(parent)
-        if snapshot is None or snapshot.tools != self._chat_format.tools_for_template(request):
+        if snapshot is None or snapshot.tools != tools:
             return None
         assembler = _clone_assembler(snapshot)
         try:
-            return Render(assembler.prompt_ids(self._chat_format.template_messages(request)), assembler, "snapshot")
+            return Render(assembler.prompt_ids(messages), assembler, "snapshot")
         except _ASSEMBLY_FAILURES as e:
             logger.debug("session %s: cannot extend turn %d token-exactly (%r)", self._key, parent, e)
         return None
@@ -133,23 +160,6 @@ class SessionPrompts:
         """Keep a recorded turn's snapshot (to extend) and its reply under its identity (to restore)."""
         self._snapshots[node] = snapshot
         self._recorded[identity] = message
-
-
-def turn_max_tokens(prompt_len: int, *, trainer: int, client: int | None, context: int | None) -> tuple[int, str]:
-    """The least of the trainer's cap, the client's own and the room `context` leaves, with which one it is
-    ("trainer", "client" or "context"; the client's when it ties: it asked for that many).
-
-    A `ContextOverflowError` when the prompt leaves no room at all.
-    """
-    limits = [(trainer, "trainer")]
-    if context:
-        room = context - prompt_len
-        if room <= 0:
-            raise ContextOverflowError(overflow_message(prompt_len, context), prompt_len, context)
-        limits.append((room, "context"))
-    if client is not None:
-        limits.insert(0, (int(client), "client"))
-    return min(limits, key=lambda limit_and_owner: limit_and_owner[0])
 
 
 def recorded_message(parsed: ParsedOutput, echoed: dict) -> dict:

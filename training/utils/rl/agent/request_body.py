@@ -54,8 +54,8 @@ from aiohttp import web
 
 from training.utils.config.rl import AgentShimConfig
 from training.utils.deploy.connections import BodyTooLargeError, read_body
-from training.utils.rl.agent import fields
-from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError
+from training.utils.rl.agent import chat_request
+from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError, refuse_unseen
 from training.utils.runtime.memory import give_back_memory
 
 if TYPE_CHECKING:
@@ -172,22 +172,25 @@ def parse_json(raw: bytearray) -> Any:
     try:
         body = json.loads(text, parse_constant=_not_json, object_hook=handover.hook)
     except RecursionError:
-        raise WireError(f"the request body nests deeper than {fields.MAX_DEPTH} levels") from None
+        raise WireError(f"the request body nests deeper than {chat_request.MAX_DEPTH} levels") from None
     except ValueError as e:
         raise WireError(f"the request body is not valid JSON: {e}") from None
     del text
-    fields.plain_json(body)
+    chat_request.plain_json(body)
     return body
 
 
 def parse_turn(raw: bytearray, parse: Callable[[Any], ChatRequest], token_bytes: int,
-               context_tokens: int | None) -> ChatRequest:
+               context_tokens: int | None, unseen: str = "placeholder") -> ChatRequest:
     """The body decoded by `parse` (a wire's `TurnCodec.parse`); an `EstimatedOverflowError` when its text alone
-    cannot fit `context_tokens`."""
+    cannot fit `context_tokens`, and with `unseen="refuse"` a WireError 400 naming content the model could not
+    see (`agent_shim.unseen_content`: the agent must not believe the model read a file it never saw)."""
     chat = parse(parse_json(raw))
     if context_tokens:
         size, floor = text_token_floor(chat, token_bytes)
         _refuse_past_context("prompt's text", size, floor, token_bytes, context_tokens)
+    if unseen == "refuse" and chat.unseen:
+        refuse_unseen(chat.unseen)
     return chat
 
 
@@ -199,15 +202,16 @@ def count_prompt_tokens(chat_format: ChatFormat, chat: ChatRequest, token_bytes:
     return len(chat_format.tokenizer.encode(text, add_special_tokens=False))
 
 
-def prepare_turn(session: ShimSession, chat: ChatRequest, token_bytes: int, context_tokens: int | None) -> PreparedTurn:
-    """`session.prepare(chat)`, refusing first (`EstimatedOverflowError`) a prompt that cannot fit `context_tokens`
-    because of its assistant messages, which the text floor of step 3 leaves out: when their text could overflow
-    the context, the rendered prompt's length is checked before anything is tokenized."""
+def prepare_turn(session: ShimSession, chat: ChatRequest, token_bytes: int, context_tokens: int | None,
+                 replay_route: str | None = None) -> PreparedTurn:
+    """`session.prepare(chat, replay_route=replay_route)`, refusing first (`EstimatedOverflowError`) a prompt that
+    cannot fit `context_tokens` because of its assistant messages, which the text floor of step 3 leaves out: when
+    their text could overflow the context, the rendered prompt's length is checked before anything is tokenized."""
     if context_tokens:
         assistant = sum(_utf8_length(m.get("content") or "") for m in chat.messages if m.get("role") == "assistant")
         if text_token_floor(chat, token_bytes)[1] + -(-assistant // token_bytes) >= context_tokens:
             _rendered_within_context(session.chat_format, chat, token_bytes, context_tokens)
-    return session.prepare(chat)
+    return session.prepare(chat, replay_route=replay_route)
 
 
 def _rendered_within_context(chat_format: ChatFormat, chat: ChatRequest, token_bytes: int,
@@ -424,15 +428,17 @@ class RequestWorkers:
         return await self._run(self._renderers, "counting the prompt's tokens", count_prompt_tokens, chat_format,
                                chat, self.token_bytes, self.context_tokens)
 
-    async def parse_turn(self, raw: bytearray, parse: Callable[[Any], ChatRequest]) -> ChatRequest:
-        """`parse_turn` of the body: decoded by `parse`, and refused when its text cannot fit the context."""
+    async def parse_turn(self, raw: bytearray, parse: Callable[[Any], ChatRequest],
+                         unseen: str = "placeholder") -> ChatRequest:
+        """`parse_turn` of the body: decoded by `parse`, and refused when its text cannot fit the context (or, with
+        `unseen="refuse"`, when it holds content the model cannot see)."""
         return await self._run(self._parsers, "parsing the request body", parse_turn, raw, parse, self.token_bytes,
-                               self.context_tokens)
+                               self.context_tokens, unseen)
 
-    async def prepare(self, session: ShimSession, chat: ChatRequest) -> PreparedTurn:
+    async def prepare(self, session: ShimSession, chat: ChatRequest, replay_route: str | None = None) -> PreparedTurn:
         """`prepare_turn` in a render thread; call it in the session's queue turn."""
         return await self._run(self._renderers, "rendering the prompt", prepare_turn, session, chat, self.token_bytes,
-                               self.context_tokens)
+                               self.context_tokens, replay_route)
 
     async def close(self, _app: web.Application | None = None) -> None:
         """Take no more work; a job already running finishes in its thread, its result unread."""

@@ -11,9 +11,9 @@
 Endpoints: the routes of every wire format in `WIRE_FORMATS` (Anthropic's `POST /v1/messages`
 and `/v1/messages/count_tokens`, OpenAI's `POST /v1/chat/completions`, JSON or SSE), plus the
 shared `GET /v1/models` and `GET /healthz`. A model call is the top of the path the package
-docstring walks: the session its key names (`sessions.py`), its body decoded by the wire's
-codec in a worker thread (`request_body.py`), then `model_call.py`. Whatever is refused on the
-way is answered in the error shape of the route's wire.
+docstring walks, in `_serve`: the session its key names (`sessions.py`), the wire's codec for it,
+its body decoded by the codec in a worker thread (`request_body.py`), then `model_call.py`.
+Whatever is refused on the way is answered in the error shape of the route's wire.
 
 What an agent with a shell could exhaust is bounded: connections by `client_timeout_s`
 (`deploy.connections.ClientDeadlines`: headers, bodies, replies not taken), request bodies in
@@ -235,7 +235,7 @@ class AgentShim:
     async def count_tokens(self, request: web.Request, parse: Callable[[Any], ChatRequest]) -> int:
         """The prompt tokens of the request body as `parse` decodes it, parsed and rendered in worker threads;
         a WireError 413 (too large), 408 (too slow) or 400 (not UTF-8 JSON, NaN or Infinity, nesting past
-        `fields.MAX_DEPTH`, a lone surrogate anywhere, or a field `parse` refuses), or a `ContextOverflowError`
+        `chat_request.MAX_DEPTH`, a lone surrogate anywhere, or a field `parse` refuses), or a `ContextOverflowError`
         when the prompt's length alone cannot fit the context (it is then never tokenized)."""
         workers = request.app[REQUEST_WORKERS]
         session = self._sessions.for_request(request)
@@ -246,17 +246,20 @@ class AgentShim:
         """Answer one model request and record the turn: its session, its body decoded by `codec`, then the flow
         every wire shares (`model_call.ModelCalls`), which encodes the reply with `codec` again."""
         session = self._sessions.for_request(request)
-        workers = request.app[REQUEST_WORKERS]
         with self._sessions.in_use(session):
-            async with workers.body(request, session.key) as raw:
-                # Decoded before queueing, in a worker thread: a bad request waits for nothing and changes nothing,
-                # and a prompt whose text alone cannot fit the context is refused before anything is rendered.
-                try:
-                    chat = await workers.parse_turn(raw, codec.parse)
-                except ContextOverflowError:
-                    session.count("context_overflows")
-                    raise
-                return await request.app[MODEL_CALLS].answer(request, session, chat, codec)
+            return await self._answer(request, session, codec)
+
+    async def _answer(self, request: web.Request, session: ShimSession, codec: TurnCodec) -> web.StreamResponse:
+        workers = request.app[REQUEST_WORKERS]
+        async with workers.body(request, session.key) as raw:
+            # Decoded before queueing, in a worker thread: a bad request waits for nothing and changes nothing,
+            # and a prompt whose text alone cannot fit the context is refused before anything is rendered.
+            try:
+                chat = await workers.parse_turn(raw, codec.parse, unseen=self.cfg.unseen_content)
+            except ContextOverflowError:
+                session.count("context_overflows")
+                raise
+            return await request.app[MODEL_CALLS].answer(request, session, chat, codec)
 
     # ------------------------------------------------------------------ HTTP plumbing
 
@@ -277,19 +280,30 @@ class AgentShim:
         return app
 
     def _serve(self, wire: WireFormat, route: Route):
-        """An aiohttp handler for one route of `wire`: what it refuses is answered in that wire's error shape."""
+        """An aiohttp handler for one route of `wire`: a model call runs its phases top to bottom (the session, the
+        codec for it, the body decoded, then `model_call.ModelCalls`); what it refuses is answered in the wire's
+        error shape."""
 
         async def serve(request: web.Request) -> web.StreamResponse:
+            codec = route.codec
             try:
-                if route.codec is not None:
-                    return await self.model_call(request, route.codec)
-                return await route.handler(self, request)
+                if route.handler is not None:
+                    return await route.handler(self, request)
+                if route.count is not None:
+                    return web.json_response(route.count.respond(await self.count_tokens(request, route.count.parse)))
+                session = self._sessions.for_request(request)
+                with self._sessions.in_use(session):
+                    codec = codec or route.session_codec(session.key)
+                    return await self._answer(request, session, codec)
             except WireError as e:
                 return wire.error_response(e.status, str(e), param=e.param, code=e.code)
             except ContextOverflowError as e:
                 # Clients recognise an overflow by its wording (Claude Code then compacts), so each wire has its own.
                 message = wire.overflow_message(e.prompt_tokens, e.limit) + e.note()
-                return wire.error_response(400, message, param="messages", code="context_length_exceeded")
+                answer = None if codec is None or codec.overflow is None else codec.overflow(message)
+                if answer is not None:
+                    return answer
+                return wire.error_response(400, message, param=wire.overflow_param, code="context_length_exceeded")
 
         return serve
 

@@ -2,20 +2,19 @@
 
 A rollout opens a session and gives its key to the agent; every model call the agent makes
 with that key lands here, one at a time in arrival order (`turn_queue.py`), and goes through
-these steps (`model_call.py` runs them):
+these steps (`model_call.py` runs them, sampling and checking the answer between 1 and 2):
 
 1. `prepare`: match the request against the recorded turns (`rollout/turn_matching.py`: NEW,
-   APPEND, or WIPE with an explicit parent; a WIPE is a branch or a compaction) and build its
-   prompt ids (`prompt.py`: continuing a recorded turn extends that turn's exact ids).
-2. `check`: the sampler's answer must be exactly what was asked for (`rollout/stitching.py`'s
-   `check_turn`); a broken trace is refused, never zero-filled.
-3. `stage`: everything about recording that can fail (the units later requests are matched
+   APPEND, or WIPE with an explicit parent; a WIPE is a branch or a compaction), then build its
+   prompt ids (`prompt.py`: continuing a recorded turn extends that turn's exact ids); an SDK's
+   retry of a request already answered finds the reply kept for it (`replay`) instead.
+2. `stage`: everything about recording that can fail (the units later requests are matched
    against, the snapshot after this turn), done before the reply is sent, so a failure can
    still be a 503.
-4. `commit`, once the reply reached the client: add the turn to the tree (`TurnTree`). A turn
+3. `commit`, once the reply reached the client: add the turn to the tree (`TurnTree`). A turn
    the client never saw is never recorded, or the agent's next request would diverge from it.
    The reply as sent is kept with the request's hash (`remember_answer`), so that an SDK's retry
-   of that very request is answered from the record (`answer_for`) instead of sampled again.
+   of that very request is answered from the record instead of sampled again.
 
 A WIPE is a *branch* when the request resumes from an earlier point than the latest turn (a
 retry, an edited history) and a *compaction* when its history matches no recorded turn at all
@@ -28,23 +27,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 from training.utils.config.rl import AgentShimConfig
-from training.utils.rl.agent.chat_format import ChatFormat
-from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError
-from training.utils.rl.agent.hermes import ParsedOutput
-from training.utils.rl.agent.prompt import Render, SessionPrompts, recorded_message, turn_max_tokens
+from training.utils.rl.agent.chat_format import ChatFormat, ParsedOutput
+from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireReply, overflow_message
+from training.utils.rl.agent.prompt import SessionPrompts, recorded_message
 from training.utils.rl.agent.turn_queue import TurnQueue
 from training.utils.rl.rollout.messages import ChatAssembler
-from training.utils.rl.rollout.stitching import (
-    Segment,
-    TraceIntegrityError,
-    TurnRecord,
-    TurnTree,
-    check_turn,
-    segments_to_run,
-)
+from training.utils.rl.rollout.stitching import Segment, TraceIntegrityError, TurnRecord, TurnTree, segments_to_run
 from training.utils.rl.rollout.turn_matching import (
     TurnDecision,
     TurnKind,
@@ -56,9 +47,6 @@ from training.utils.rl.rollout.turn_matching import (
     unit_hash,
 )
 from training.utils.rl.rollout.types import RolloutRun
-
-if TYPE_CHECKING:
-    from training.utils.rl.agent.reply import WireReply
 
 ANSWERS_KEPT = 16
 """Replies a session keeps for replaying retries, the latest first. An SDK retries the call it has just made, and
@@ -93,6 +81,17 @@ nothing recorded)."""
 _KIND_COUNTERS = {"new": "new", "append": "appends", "branch": "branches", "compaction": "compactions"}
 
 
+class Match(NamedTuple):
+    """A request matched against a session's recorded turns (None and "" for an auxiliary call, never matched)."""
+
+    units: list | None
+    decision: TurnDecision | None
+    kind: str
+    """`turn_matching.turn_label`: "new", "append", "branch" or "compaction"."""
+    key: str
+    """`request_hash(request)`."""
+
+
 @dataclass
 class PreparedTurn:
     """A request matched against the session and rendered, ready to sample."""
@@ -124,6 +123,8 @@ class PreparedTurn:
     """Its ids, the end of `prompt_ids`."""
     request_hash: str = ""
     """`request_hash(request)`: what an SDK retry of this request has in common with it."""
+    replay: WireReply | None = None
+    """The reply already sent to this very request, when it is an SDK's retry of it (nothing to sample)."""
 
 
 @dataclass
@@ -142,6 +143,23 @@ class StagedTurn:
     """The prompt and sampled ids after this turn, for the next turn to extend (`prompt.SessionPrompts`)."""
     identity: str | None = None
     """The reply's identity (`turn_matching.unit_hash` of its normalized message), to restore it when echoed."""
+
+
+def turn_max_tokens(prompt_len: int, *, trainer: int, client: int | None, context: int | None) -> tuple[int, str]:
+    """The least of the trainer's cap, the client's own and the room `context` leaves, with which one it is
+    ("trainer", "client" or "context"; the client's when it ties: it asked for that many).
+
+    A `ContextOverflowError` when the prompt leaves no room at all.
+    """
+    limits = [(trainer, "trainer")]
+    if context:
+        room = context - prompt_len
+        if room <= 0:
+            raise ContextOverflowError(overflow_message(prompt_len, context), prompt_len, context)
+        limits.append((room, "context"))
+    if client is not None:
+        limits.insert(0, (int(client), "client"))
+    return min(limits, key=lambda limit_and_owner: limit_and_owner[0])
 
 
 def request_hash(request: ChatRequest) -> str:
@@ -226,100 +244,81 @@ class ShimSession:
 
     # ------------------------------------------------------------------ 1. prepare
 
-    def prepare(self, request: ChatRequest) -> PreparedTurn:
-        """Match the request to its parent and build its prompt.
+    def prepare(self, request: ChatRequest, *, replay_route: str | None = None) -> PreparedTurn:
+        """Match the request to its parent, then build its prompt; with `replay_route` (the request is an SDK's
+        retry on that route) the reply kept for an identical request, if any, is its `replay`.
 
         Raises `ContextOverflowError` when no room is left to generate, and `WireError` (400) when
         the chat template cannot render the request at all.
         """
-        restored, prefill, prefill_ids = self.prompts.split_prefill(self.prompts.restore_recorded(request))
-        units = decision = None
-        if not (self._cfg.record_toolless or request.tools):
-            render = self.prompts.fresh(restored)  # auxiliary: answered, never matched nor recorded
-        elif self._fingerprinter.name == "token_prefix":
-            # The units are the prompt itself, so the prompt is rendered before matching: a request
-            # continues a turn only when this fresh render starts with that turn's prompt + output.
-            render = self.prompts.fresh(restored)
-            units = self._fingerprinter.units(TurnRequest(request.system, request.messages, render.ids + prefill_ids))
-            decision = self._resolve(units)
-        else:
-            units = self._fingerprinter.units(TurnRequest(request.system, request.messages))
-            decision = self._resolve(units)
-            render = self._render_after(restored, decision.parent)
-        prompt_ids = render.ids + prefill_ids
+        trainable = bool(self._cfg.record_toolless or request.tools)  # else auxiliary: answered, never recorded
+        # The token_prefix units are the prompt itself, so that prompt is rendered afresh before matching: a request
+        # continues a turn only when this fresh render starts with that turn's prompt + output.
+        by_prompt = self._fingerprinter.name == "token_prefix"
+        match = self._match(request, None) if trainable and not by_prompt else None
+        prompt, fell_back = self.prompts.build(request, None if match is None else match.decision.parent)
+        if fell_back:
+            # Stitching splits the segment where this render and the recorded ids disagree: nothing is lost.
+            self.count("render_fallbacks")
+        if match is None:
+            match = self._match(request, prompt.ids) if trainable else Match(None, None, "", request_hash(request))
+        units, decision, kind, key = match
         try:
-            max_tokens, limited_by = turn_max_tokens(len(prompt_ids), trainer=self._max_tokens,
+            max_tokens, limited_by = turn_max_tokens(len(prompt.ids), trainer=self._max_tokens,
                                                      client=request.max_tokens, context=self._cfg.max_context_tokens)
         except ContextOverflowError:
             self.count("context_overflows")
             raise
-        kind = "" if decision is None else turn_label(decision, units, self._root_requests)
-        return PreparedTurn(request, restored, prompt_ids, max_tokens, limited_by, decision is not None, units,
-                            decision, kind, render.assembler, render.how, prefill, prefill_ids,
-                            request_hash(request))
+        replay = None if replay_route is None else self._answers.get((replay_route, key))
+        if replay is not None:
+            self.count("retries_replayed")
+        return PreparedTurn(request, prompt.restored, prompt.ids, max_tokens, limited_by, trainable, units, decision,
+                            kind, prompt.assembler, prompt.how, prompt.prefill, prompt.prefill_ids, key, replay)
 
-    def _resolve(self, units: list) -> TurnDecision:
-        return resolve_parent(units, self._response_units, self._leaf, self._stored_units)
+    def _match(self, request: ChatRequest, prompt_ids: list[int] | None) -> Match:
+        """Everything turn matching says of the request, against the turns recorded so far."""
+        units = self._fingerprinter.units(TurnRequest(request.system, request.messages, prompt_ids))
+        decision = resolve_parent(units, self._response_units, self._leaf, self._stored_units)
+        return Match(units, decision, turn_label(decision, units, self._root_requests), request_hash(request))
 
-    def _render_after(self, restored: ChatRequest, parent: int | None) -> Render:
-        if parent is None:
-            return self.prompts.fresh(restored)
-        render = self.prompts.extend(restored, parent)
-        if render is None:
-            # Stitching splits the segment where this render and the recorded ids disagree: nothing is lost.
-            self.count("render_fallbacks")
-            render = self.prompts.fresh(restored)
-        return render
-
-    # ------------------------------------------------------------------ 2. check
-
-    def check(self, prepared: PreparedTurn, completions: list) -> TurnRecord:
-        """The sampler's one completion as a turn record; a `TraceIntegrityError`, counted, when the answer is not
-        exactly what was asked for (`stitching.check_turn`)."""
-        try:
-            if len(completions) != 1:
-                raise TraceIntegrityError(f"asked the sampler for 1 completion, got {len(completions)}")
-            return check_turn(prepared.prompt_ids, completions[0])
-        except TraceIntegrityError as e:
-            self.count("sampling_failures")
-            self.fail("integrity_failures", str(e))
-            raise
-
-    # ------------------------------------------------------------------ 3. stage
+    # ------------------------------------------------------------------ 2. stage
 
     def stage(
         self, prepared: PreparedTurn, completion: Any, record: TurnRecord, parsed: ParsedOutput,
         echoed: dict, response_id: str,
     ) -> StagedTurn:
-        """Compute what recording needs; raises on any failure, changing nothing.
+        """Compute what recording needs; raises on any failure, changing nothing but the parser-fallback count.
 
         `completion` is the sampler's `Completion` (checked into `record`), `echoed` the
         assistant chat message a client echoes back for the wire response sent. After a prefill the
         client holds the prefill and the reply as one message, so that is what is recorded and matched.
         """
+        if parsed.parser_fallback:
+            self.count("parser_fallbacks")
         if prepared.prefill is not None:
             prefilled = prepared.request.messages[-1].get("content") or ""
             parsed = replace(parsed, content=prefilled + parsed.content)
             echoed = {**echoed, "content": prefilled + (echoed.get("content") or "")}
-        message = recorded_message(parsed, echoed)
-        staged = StagedTurn(prepared, record, response_id, message=message)
         record.metadata.update(response_id=response_id, parser_fallback=bool(parsed.parser_fallback),
                                render=prepared.render)
-        if not prepared.trainable:
-            return staged
-        request = prepared.request
-        history = request.messages[:-1] if prepared.prefill is not None else request.messages
-        record.metadata["decision"] = prepared.kind
-        if self._fingerprinter.name == "token_prefix":
-            staged.response_units = list(prepared.prompt_ids) + list(record.output_ids)
-        else:
-            staged.response_units = self._fingerprinter.units(TurnRequest(request.system, history + [echoed]))
-        staged.identity = unit_hash(normalize_message(echoed))
-        staged.snapshot = self.prompts.snapshot_after(prepared.restored, prepared.assembler, prepared.prefill_ids,
-                                                      completion, message)
+        response_units = identity = None
+        if prepared.trainable:
+            record.metadata["decision"] = prepared.kind
+            request = prepared.request
+            history = request.messages[:-1] if prepared.prefill is not None else request.messages
+            if self._fingerprinter.name == "token_prefix":
+                response_units = list(prepared.prompt_ids) + list(record.output_ids)
+            else:
+                response_units = self._fingerprinter.units(TurnRequest(request.system, history + [echoed]))
+            identity = unit_hash(normalize_message(echoed))
+        message = recorded_message(parsed, echoed)
+        staged = StagedTurn(prepared, record, response_id, message, response_units, identity=identity)
+        if prepared.trainable:
+            staged.snapshot = self.prompts.snapshot_after(prepared.restored, prepared.assembler,
+                                                          prepared.prefill_ids, completion, message)
         return staged
 
-    # ------------------------------------------------------------------ 4. commit
+    # ------------------------------------------------------------------ 3. commit
 
     def commit(self, staged: StagedTurn) -> int | None:
         """Record a turn whose reply reached the client; returns its tree node (None if not recorded)."""
@@ -355,10 +354,6 @@ class ShimSession:
         self._answers.move_to_end(key)
         while len(self._answers) > ANSWERS_KEPT:
             self._answers.popitem(last=False)
-
-    def answer_for(self, route: str, prepared: PreparedTurn) -> WireReply | None:
-        """The reply already sent to a request identical to `prepared`'s on `route`, if this session still keeps it."""
-        return self._answers.get((route, prepared.request_hash))
 
     # ------------------------------------------------------------------ end of the run
 

@@ -25,13 +25,11 @@ import json
 import secrets
 from typing import Any
 
-from aiohttp import web
-
-from training.utils.rl.agent import fields
+from training.utils.rl.agent import chat_request
+from training.utils.rl.agent.chat_format import ParsedOutput, decoded_arguments, retag_tool_call_id
 from training.utils.rl.agent.chat_request import ChatRequest, UnseenPart, WireError, system_reminder
-from training.utils.rl.agent.hermes import ParsedOutput, decoded_arguments, retag_tool_call_id
-from training.utils.rl.agent.wire_format import Route, TurnCodec, WireFormat, WireServer, model_call_route
-from training.utils.rl.rollout.turn_matching import BILLING_HEADER_PREFIX, canonical_json
+from training.utils.rl.agent.wire_format import TokenCount, TurnCodec, WireFormat, count_tokens_route, model_call_route
+from training.utils.rl.rollout.turn_matching import BILLING_HEADER_PREFIX
 
 TOOL_USE_ID_PREFIX = "toolu_"
 
@@ -58,16 +56,16 @@ def anthropic_request(body: Any) -> ChatRequest:
     """Validate a Messages (or count_tokens) request body and translate it; WireError names the bad field."""
     chat_messages: list[dict] = []
     unseen: list[UnseenPart] = []
-    for i, message in enumerate(fields.messages(body)):
+    for i, message in enumerate(chat_request.messages(body)):
         chat_messages += _translate_message(message, f"messages[{i}]", unseen)
     return ChatRequest(
         system=_system_text(body.get("system")),
         messages=chat_messages,
-        tools=fields.tools(body.get("tools"), _function_tool, "tools[{}].name"),
-        max_tokens=fields.optional_int(body, "max_tokens", minimum=1),
-        stop=fields.string_list(body, "stop_sequences", allow_string=False),
-        stream=fields.flag(body, "stream"),
-        model=fields.model(body),
+        tools=_tools(body.get("tools")),
+        max_tokens=chat_request.optional_int(body, "max_tokens", minimum=1),
+        stop=chat_request.string_list(body, "stop_sequences", allow_string=False),
+        stream=chat_request.flag(body, "stream"),
+        model=chat_request.model(body),
         unseen=unseen,
     )
 
@@ -127,7 +125,7 @@ def _user_messages(blocks: list[dict], param: str, unseen: list[UnseenPart]) -> 
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
-            tool_use_id = fields.nonempty_string(block.get("tool_use_id"), f"{where}.tool_use_id")
+            tool_use_id = chat_request.nonempty_string(block.get("tool_use_id"), f"{where}.tool_use_id")
             out.append({"role": "tool", "content": _tool_result_text(block.get("content"), where, unseen),
                         "tool_call_id": tool_use_id})
         elif kind in ("tool_use", "thinking", "redacted_thinking"):
@@ -166,27 +164,33 @@ def _assistant_message(blocks: list[dict], param: str, unseen: list[UnseenPart])
 
 
 def _tool_use_call(block: dict, where: str) -> dict:
-    call_id = fields.nonempty_string(block.get("id"), f"{where}.id")
-    name = fields.nonempty_string(block.get("name"), f"{where}.name")
+    call_id = chat_request.nonempty_string(block.get("id"), f"{where}.id")
+    name = chat_request.nonempty_string(block.get("name"), f"{where}.name")
     arguments = block.get("input", {})
     if not isinstance(arguments, dict):
         raise WireError(f"{where}.input must be an object, got {type(arguments).__name__}", param=f"{where}.input")
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": canonical_json(arguments)}}
+    return chat_request.tool_call(call_id, name, arguments)
 
 
 def _block_text(block: dict, where: str, unseen: list[UnseenPart]) -> str:
-    return fields.part_text(block, where, ("text",), unseen, noun="block")
+    return chat_request.part_text(block, where, ("text",), unseen, noun="block")
 
 
 def _tool_result_text(content: Any, where: str, unseen: list[UnseenPart]) -> str:
-    return fields.content_text(content, f"{where}.content", text_types=("text",), part="block",
+    return chat_request.content_text(content, f"{where}.content", text_types=("text",), part="block",
                                accepted="a string or a list of blocks", unseen=unseen)
+
+
+def _tools(value: Any) -> list[dict]:
+    """The request's tools the model is offered (entries `_function_tool` skips left out), names unique."""
+    tools = [_function_tool(tool, where) for where, tool in chat_request.tool_entries(value)]
+    return chat_request.unique_tool_names([tool for tool in tools if tool is not None], "tools[{}].name")
 
 
 def _function_tool(tool: dict, where: str) -> dict | None:
     if tool.get("type") not in (None, "custom") and "input_schema" not in tool:
         return None  # a server tool (e.g. web_search) that only Anthropic's own servers run
-    return fields.function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
+    return chat_request.function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
                                 params=(f"{where}.name", f"{where}.description", f"{where}.input_schema"))
 
 
@@ -308,10 +312,10 @@ def anthropic_overflow_message(prompt_tokens: int, limit: int) -> str:
 
 # ---------------------------------------------------------------------------- the wire format
 
-async def count_tokens(server: WireServer, request: web.Request) -> web.Response:
-    # Counting is not showing the model anything: unseen parts count as their placeholders.
-    server.session_for(request)
-    return web.json_response({"input_tokens": await server.count_tokens(request, anthropic_request)})
+def count_tokens_body(tokens: int) -> dict:
+    """The answer of `POST /v1/messages/count_tokens`. Counting is not showing the model anything: unseen parts
+    count as their placeholders."""
+    return {"input_tokens": tokens}
 
 
 CODEC = TurnCodec(parse=anthropic_request, respond=anthropic_response, stream=anthropic_sse_events,
@@ -320,7 +324,8 @@ CODEC = TurnCodec(parse=anthropic_request, respond=anthropic_response, stream=an
 WIRE = WireFormat(
     name="anthropic",
     prefix="/v1/messages",
-    routes=(model_call_route("/v1/messages", CODEC), Route("POST", "/v1/messages/count_tokens", count_tokens)),
+    routes=(model_call_route("/v1/messages", CODEC),
+            count_tokens_route("/v1/messages/count_tokens", TokenCount(anthropic_request, count_tokens_body))),
     error_body=anthropic_error_body,
     overflow_message=anthropic_overflow_message,
 )

@@ -4,10 +4,14 @@ Each wire module (`wire_<name>.py`) declares one `WireFormat` named `WIRE`, and
 `server.WIRE_FORMATS` lists them: the server builds its app from that registry alone, so a new
 wire format is a new module plus one registry entry.
 
-A model call is a route with a `TurnCodec` (`model_call_route`): the server answers it with the
-flow every wire shares (`model_call.py`) and uses the codec only at the two ends, to decode the
-request body into a `ChatRequest` and to encode the reply. Any other route (`count_tokens`) has a
-handler of its own, `async (server, request) -> response`, calling the `WireServer` interface.
+A model call is a route with a `TurnCodec` (`model_call_route`), or with a function that makes one
+for the request's session (`session_codec`: the Responses wire seals reasoning to its session): the
+server answers it with the flow every wire shares (`model_call.py`) and uses the codec only at the
+two ends, to decode the request body into a `ChatRequest` and to encode the reply; the codec never
+calls the server. A token-count route (`count_tokens_route`, Anthropic's `count_tokens`) has a
+`TokenCount`: the server decodes the body with it, counts the prompt, and has it shape the answer.
+Any other route has a handler of its own, `async (server, request) -> response`, calling the
+`WireServer` interface.
 Whatever the shim refuses (`WireError`, `ContextOverflowError`) is answered in the error shape of
 the wire the route belongs to.
 """
@@ -21,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 
 from training.utils.rl.agent.chat_request import overflow_message
-from training.utils.rl.agent.reply import ClientReply, WireReply
 
 if TYPE_CHECKING:
     from training.utils.rl.agent.chat_format import ChatFormat
@@ -67,38 +70,48 @@ class TurnCodec:
     """response -> the assistant chat message a client sends back for it"""
     new_id: Callable[[], str]
     """a fresh response id"""
+    overflow: Callable[[str], web.StreamResponse | None] | None = None
+    """(the wire's overflow message) -> the answer to a request whose prompt leaves no room to generate, or None
+    for the wire's 400 (the Responses wire answers a stream with a `response.failed` event, where Codex looks)"""
 
-    def encode(self, reply: ClientReply, request: ChatRequest, *, model: str, prompt_tokens: int,
-               output_tokens: int) -> WireReply:
-        """`reply` as this wire sends it: its body, its stream events when `request` streams, and its echo."""
-        response_id = self.new_id()
-        body = self.respond(
-            reply.parsed, response_id, model=model, finish_reason=reply.finish_reason,
-            stop_sequence=reply.stop_sequence, token_logprobs=reply.token_logprobs,
-            prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-        )
-        events = self.stream(body, request) if request.stream else None
-        return WireReply(response_id, body, self.echo(body), events)
+
+@dataclass(frozen=True)
+class TokenCount:
+    """How one wire format's token-count route decodes its body and shows the count."""
+
+    parse: Callable[[Any], ChatRequest]
+    """request body -> ChatRequest (a WireError names the bad field)"""
+    respond: Callable[[int], dict]
+    """the prompt's tokens -> the response body"""
 
 
 @dataclass(frozen=True)
 class Route:
-    """One route of a wire format: a model call, decoded and encoded by `codec` and answered by the server's shared
-    flow, or a route of the wire's own, answered by `handler`."""
+    """One route of a wire format: a model call, decoded and encoded by `codec` (or by the codec `session_codec`
+    makes for the request's session key) and answered by the server's shared flow, or a route of the wire's own,
+    answered by `handler`."""
 
     method: str
     path: str
     handler: RouteHandler | None = None
     codec: TurnCodec | None = None
+    session_codec: Callable[[str], TurnCodec] | None = None
+    count: TokenCount | None = None
+    """A token-count route's decoder and answer (`count_tokens_route`)."""
 
     def __post_init__(self):
-        if (self.handler is None) == (self.codec is None):
+        if sum(kind is not None for kind in (self.handler, self.codec, self.session_codec, self.count)) != 1:
             raise ValueError(f"route {self.method} {self.path}: give it a handler or a codec (a model call), not both")
 
 
 def model_call_route(path: str, codec: TurnCodec) -> Route:
     """A `POST path` route that answers model requests through the server's shared flow, translated by `codec`."""
     return Route("POST", path, codec=codec)
+
+
+def count_tokens_route(path: str, count: TokenCount) -> Route:
+    """A `POST path` route that answers with the prompt tokens of the body `count` decodes."""
+    return Route("POST", path, count=count)
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,8 @@ class WireFormat:
     overflow_message: Callable[[int, int], str] = overflow_message
     """(prompt tokens, context limit) -> the message of the 400 for a prompt that leaves no room to generate
     (code "context_length_exceeded"): clients recognise an overflow by the wording their provider uses"""
+    overflow_param: str = "messages"
+    """The request field that 400 names: where the wire's conversation is."""
 
     def error_response(
         self, status: int, message: str, *, param: str | None = None, code: str | None = None

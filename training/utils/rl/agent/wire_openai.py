@@ -22,11 +22,10 @@ import secrets
 import time
 from typing import Any
 
-from training.utils.rl.agent import fields
+from training.utils.rl.agent import chat_request
+from training.utils.rl.agent.chat_format import ParsedOutput
 from training.utils.rl.agent.chat_request import ChatRequest, UnseenPart, WireError, system_reminder
-from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.agent.wire_format import TurnCodec, WireFormat, model_call_route
-from training.utils.rl.rollout.turn_matching import canonical_arguments
 
 _ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -41,7 +40,7 @@ def new_completion_id() -> str:
 
 def openai_request(body: Any) -> ChatRequest:
     """Validate a chat.completions request body and translate it; WireError names the bad field."""
-    messages = fields.messages(body)
+    messages = chat_request.messages(body)
     n = body.get("n")
     if n is not None and n != 1:
         raise WireError(f"n must be 1 (the shim samples one reply per request), got {n!r}", param="n")
@@ -56,17 +55,17 @@ def openai_request(body: Any) -> ChatRequest:
             chat_messages.append(system_reminder(translated["content"]))
         else:
             chat_messages.append(translated)
-    max_tokens = fields.optional_int(body, "max_completion_tokens", minimum=1)
+    max_tokens = chat_request.optional_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
-        max_tokens = fields.optional_int(body, "max_tokens", minimum=1)
+        max_tokens = chat_request.optional_int(body, "max_tokens", minimum=1)
     return ChatRequest(
         system=system,
         messages=chat_messages,
-        tools=fields.tools(body.get("tools"), _function_tool, "tools[{}].function.name"),
+        tools=_tools(body.get("tools")),
         max_tokens=max_tokens,
-        stop=fields.string_list(body, "stop", allow_string=True),
-        stream=fields.flag(body, "stream"),
-        model=fields.model(body),
+        stop=chat_request.string_list(body, "stop", allow_string=True),
+        stream=chat_request.flag(body, "stream"),
+        model=chat_request.model(body),
         unseen=unseen,
         logprobs=_logprobs_requested(body),
         include_usage=_include_usage(body.get("stream_options")),
@@ -76,8 +75,8 @@ def openai_request(body: Any) -> ChatRequest:
 def _logprobs_requested(body: dict) -> bool:
     """`logprobs: true` is honoured (the sampled tokens' own logprobs); alternatives (`top_logprobs`) are not
     sampled, so asking for them is a 400 rather than an answer without them."""
-    logprobs = fields.flag(body, "logprobs")
-    top = fields.optional_int(body, "top_logprobs", minimum=0)
+    logprobs = chat_request.flag(body, "logprobs")
+    top = chat_request.optional_int(body, "top_logprobs", minimum=0)
     if top:
         raise WireError(f"top_logprobs={top} is not supported: the shim returns only the sampled tokens' logprobs "
                         "(logprobs: true, top_logprobs 0 or absent)", param="top_logprobs")
@@ -89,7 +88,7 @@ def _include_usage(options: Any) -> bool:
         return False
     if not isinstance(options, dict):
         raise WireError(f"stream_options must be an object, got {options!r}", param="stream_options")
-    return fields.flag(options, "include_usage")
+    return chat_request.flag(options, "include_usage")
 
 
 def _translate_message(message: Any, param: str, unseen: list[UnseenPart]) -> dict:
@@ -105,7 +104,7 @@ def _translate_message(message: Any, param: str, unseen: list[UnseenPart]) -> di
     if role == "user":
         return {"role": "user", "content": content}
     if role == "tool":
-        tool_call_id = fields.nonempty_string(message.get("tool_call_id"), f"{param}.tool_call_id")
+        tool_call_id = chat_request.nonempty_string(message.get("tool_call_id"), f"{param}.tool_call_id")
         return {"role": "tool", "content": content, "tool_call_id": tool_call_id}
     out: dict[str, Any] = {"role": "assistant", "content": content}
     tool_calls = message.get("tool_calls")
@@ -122,23 +121,29 @@ def _translate_message(message: Any, param: str, unseen: list[UnseenPart]) -> di
 
 
 def _content_text(content: Any, param: str, unseen: list[UnseenPart]) -> str:
-    return fields.content_text(content, param, text_types=("text", "refusal"), part="part",
+    return chat_request.content_text(content, param, text_types=("text", "refusal"), part="part",
                                accepted="a string, null or a list of parts", unseen=unseen)
 
 
 def _tool_call(call: Any, param: str) -> dict:
     if not isinstance(call, dict):
         raise WireError(f"{param} must be an object", param=param)
-    call_id, function = fields.nonempty_string(call.get("id"), f"{param}.id"), call.get("function")
+    call_id, function = chat_request.nonempty_string(call.get("id"), f"{param}.id"), call.get("function")
     if not isinstance(function, dict):
         raise WireError(f"{param}.function must be an object", param=f"{param}.function")
-    name = fields.nonempty_string(function.get("name"), f"{param}.function.name")
+    name = chat_request.nonempty_string(function.get("name"), f"{param}.function.name")
     arguments = function.get("arguments")
     if arguments is None or arguments == "":
         arguments = {}
     elif isinstance(arguments, str):
-        fields.embedded_json(arguments, f"{param}.function.arguments")
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": canonical_arguments(arguments)}}
+        chat_request.embedded_json(arguments, f"{param}.function.arguments")
+    return chat_request.tool_call(call_id, name, arguments)
+
+
+def _tools(value: Any) -> list[dict]:
+    """The request's tools the model is offered (entries `_function_tool` skips left out), names unique."""
+    tools = [_function_tool(tool, where) for where, tool in chat_request.tool_entries(value)]
+    return chat_request.unique_tool_names([tool for tool in tools if tool is not None], "tools[{}].function.name")
 
 
 def _function_tool(tool: dict, where: str) -> dict:
@@ -149,7 +154,7 @@ def _function_tool(tool: dict, where: str) -> dict:
         raise WireError(f"{where}.function must be an object", param=f"{where}.function")
     paths = tuple(f"{where}.function.{name}" for name in ("name", "description", "parameters"))
     parameters = function.get("parameters", {"type": "object", "properties": {}})
-    return fields.function_tool(function.get("name"), function.get("description"), parameters, params=paths)
+    return chat_request.function_tool(function.get("name"), function.get("description"), parameters, params=paths)
 
 
 # ---------------------------------------------------------------------------- responses

@@ -40,20 +40,19 @@ from typing import Any
 
 from aiohttp import web
 
-from training.utils.rl.agent import fields
+from training.utils.rl.agent import chat_request
+from training.utils.rl.agent.chat_format import ParsedOutput
 from training.utils.rl.agent.chat_request import (
     ChatRequest,
-    ContextOverflowError,
     UnseenPart,
     WireError,
     system_reminder,
 )
-from training.utils.rl.agent.hermes import ParsedOutput
 from training.utils.rl.agent.reasoning_seal import ReasoningSeal
 from training.utils.rl.agent.responses_stream import failed_events, response_events
-from training.utils.rl.agent.wire_format import Route, TurnCodec, WireFormat, WireServer
+from training.utils.rl.agent.wire_format import Route, TurnCodec, WireFormat
 from training.utils.rl.agent.wire_openai import openai_error_body
-from training.utils.rl.rollout.turn_matching import canonical_arguments, normalize_message, unit_hash
+from training.utils.rl.rollout.turn_matching import normalize_message, unit_hash
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 TEXT_LOGPROBS = "message.output_text.logprobs"
@@ -106,15 +105,15 @@ def responses_request(body: Any, seal: ReasoningSeal) -> ChatRequest:
     if messages and messages[0]["role"] == "system":
         lead = messages.pop(0)["content"]
         system = lead if system is None else f"{system}\n\n{lead}"
-    include = fields.string_list(body, "include", allow_string=False)
+    include = chat_request.string_list(body, "include", allow_string=False)
     return ChatRequest(
         system=system,
         messages=[system_reminder(m["content"]) if m["role"] == "system" else m for m in messages],
-        tools=fields.tools(body.get("tools"), _function_tool, "tools[{}].name"),
-        max_tokens=fields.optional_int(body, "max_output_tokens", minimum=1),
+        tools=_tools(body.get("tools")),
+        max_tokens=chat_request.optional_int(body, "max_output_tokens", minimum=1),
         stop=[],
-        stream=fields.flag(body, "stream"),
-        model=fields.model(body),
+        stream=chat_request.flag(body, "stream"),
+        model=chat_request.model(body),
         unseen=unseen,
         logprobs=_logprobs_requested(body, include),
     )
@@ -131,7 +130,7 @@ def _input_items(value: Any) -> list:
 def _logprobs_requested(body: dict, include: list[str]) -> bool:
     """The sampled tokens' own logprobs are returned when `include` asks; alternatives (`top_logprobs`) are
     never sampled, so asking for them is a 400 rather than an answer without them."""
-    top = fields.optional_int(body, "top_logprobs", minimum=0)
+    top = chat_request.optional_int(body, "top_logprobs", minimum=0)
     if top:
         raise WireError(f"top_logprobs={top} is not supported: the shim returns only the sampled tokens' logprobs "
                         f"(include: ['{TEXT_LOGPROBS}'], top_logprobs 0 or absent)", param="top_logprobs")
@@ -176,7 +175,7 @@ def _item_type(item: Any, where: str) -> str:
 def _chat_message(kind: str, item: dict, where: str, unseen: list[UnseenPart]) -> dict:
     """A user, system or developer message, or a function call's output, as one chat message."""
     if kind == "function_call_output":
-        call_id = fields.nonempty_string(item.get("call_id"), f"{where}.call_id")
+        call_id = chat_request.nonempty_string(item.get("call_id"), f"{where}.call_id")
         return {"role": "tool", "content": _content_text(item.get("output"), f"{where}.output", unseen),
                 "tool_call_id": call_id}
     role = item.get("role")
@@ -187,7 +186,7 @@ def _chat_message(kind: str, item: dict, where: str, unseen: list[UnseenPart]) -
 
 
 def _content_text(content: Any, where: str, unseen: list[UnseenPart]) -> str:
-    return fields.content_text(content, where, text_types=_TEXT_PARTS, part="part", unseen=unseen,
+    return chat_request.content_text(content, where, text_types=_TEXT_PARTS, part="part", unseen=unseen,
                                accepted="a string, null or a list of content parts", text_keys=_TEXT_KEYS)
 
 
@@ -254,15 +253,21 @@ class _Reply:
 
 
 def _function_call(item: dict, where: str) -> dict:
-    call_id = fields.nonempty_string(item.get("call_id"), f"{where}.call_id")
-    name = fields.nonempty_string(item.get("name"), f"{where}.name")
+    call_id = chat_request.nonempty_string(item.get("call_id"), f"{where}.call_id")
+    name = chat_request.nonempty_string(item.get("name"), f"{where}.name")
     arguments = item.get("arguments")
     if arguments is None or arguments == "":
         arguments = "{}"
     if not isinstance(arguments, str):
         raise WireError(f"{where}.arguments must be a string of JSON", param=f"{where}.arguments")
-    fields.embedded_json(arguments, f"{where}.arguments")
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": canonical_arguments(arguments)}}
+    chat_request.embedded_json(arguments, f"{where}.arguments")
+    return chat_request.tool_call(call_id, name, arguments)
+
+
+def _tools(value: Any) -> list[dict]:
+    """The request's tools the model is offered (entries `_function_tool` skips left out), names unique."""
+    tools = [_function_tool(tool, where) for where, tool in chat_request.tool_entries(value)]
+    return chat_request.unique_tool_names([tool for tool in tools if tool is not None], "tools[{}].name")
 
 
 def _function_tool(tool: dict, where: str) -> dict | None:
@@ -272,7 +277,7 @@ def _function_tool(tool: dict, where: str) -> dict | None:
     if kind != "function":
         return None  # a tool only OpenAI's servers run, or one the tool-call format cannot express
     parameters = tool.get("parameters")
-    return fields.function_tool(tool.get("name"), tool.get("description"),
+    return chat_request.function_tool(tool.get("name"), tool.get("description"),
                                 {"type": "object", "properties": {}} if parameters is None else parameters,
                                 params=(f"{where}.name", f"{where}.description", f"{where}.parameters"))
 
@@ -367,7 +372,7 @@ class ResponsesTurn:
         self.instructions: str | None = None
         self.encrypted_reasoning = False
         self.codec = TurnCodec(parse=self.parse, respond=self.respond, stream=response_stream, echo=self.echo,
-                               new_id=new_response_id)
+                               new_id=new_response_id, overflow=self.overflow)
 
     def parse(self, body: Any) -> ChatRequest:
         self.request = responses_request(body, self.seal)
@@ -387,8 +392,11 @@ class ResponsesTurn:
         (message,) = input_messages(response["output"], self.seal, [])
         return message
 
-    def failed(self, message: str) -> web.Response:
-        """The stream of a response that failed with a context overflow before any output."""
+    def overflow(self, message: str) -> web.Response | None:
+        """A stream's answer to a prompt over the context: `response.failed`, which is where Codex looks for it (then
+        compacts); None for a JSON request, which gets the wire's 400."""
+        if self.request is None or not self.request.stream:
+            return None
         response = {"id": new_response_id(), "object": "response", "created_at": int(time.time()),
                     "status": "failed", "error": {"code": "context_length_exceeded", "message": message},
                     "incomplete_details": None, "instructions": self.instructions, "model": self.request.model,
@@ -402,22 +410,16 @@ def response_stream(response: dict, request: ChatRequest | None = None) -> list[
     return response_events(response)
 
 
-async def create_response(server: WireServer, request: web.Request) -> web.StreamResponse:
-    """`POST /v1/responses`: a model call through the shared flow, with a codec bound to the request's session."""
-    turn = ResponsesTurn(ReasoningSeal(server.session_for(request).key))
-    try:
-        return await server.model_call(request, turn.codec)
-    except ContextOverflowError as e:
-        message = responses_overflow_message(e.prompt_tokens, e.limit) + e.note()
-        if turn.request is not None and turn.request.stream:
-            return turn.failed(message)
-        raise WireError(message, param="input", code="context_length_exceeded") from None
+def session_codec(session_key: str) -> TurnCodec:
+    """The codec of one `POST /v1/responses`, bound to the session the request's key names."""
+    return ResponsesTurn(ReasoningSeal(session_key)).codec
 
 
 WIRE = WireFormat(
     name="openai_responses",
     prefix="/v1/responses",
-    routes=(Route("POST", "/v1/responses", create_response),),
+    routes=(Route("POST", "/v1/responses", session_codec=session_codec),),
     error_body=openai_error_body,
     overflow_message=responses_overflow_message,
+    overflow_param="input",
 )
