@@ -1,6 +1,6 @@
 """A verifiers 0.4.0 environment as a training task: `main(cfg, **from_verifiers("my-taskset"))`.
 
-    pip install "verifiers==0.4.0"   # in a venv of its own: it pins openai<3 (docs/environments.md)
+    pip install -e ".[verifiers]"   # verifiers==0.4.0; it moves openai to 2.54 (docs/environments.md)
 
 Each draw runs the environment's OWN episode (`Env.run_episode(task, ctx)` inside `Env.serving()`): its harness,
 its tool servers, its rubric. The model the episode talks to is an agent-shim session: `ctx.client` is an
@@ -48,7 +48,7 @@ def _vf():
     try:
         import verifiers.v1 as vf
     except ImportError as e:
-        raise ConfigError(f'from_verifiers needs the verifiers package: pip install "verifiers==0.4.0" ({e})') from None
+        raise ConfigError(f'from_verifiers needs the verifiers package: pip install -e ".[verifiers]" ({e})') from None
     return vf
 
 

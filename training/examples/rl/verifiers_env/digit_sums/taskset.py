@@ -1,0 +1,47 @@
+import random
+import re
+
+import verifiers.v1 as vf
+from digit_sums.tools import DigitSumsToolset
+
+SYSTEM_PROMPT = "Answer with the sum only."
+
+
+class DigitSumsData(vf.TaskData):
+    answer: int
+
+
+class DigitSumsTaskConfig(vf.TaskConfig):
+    tools: vf.ToolsetConfig = vf.ToolsetConfig()
+
+
+class DigitSumsTask(vf.Task[DigitSumsData, vf.State, DigitSumsTaskConfig]):
+    @classmethod
+    def toolsets(cls, config: DigitSumsTaskConfig) -> list[vf.Toolset]:
+        return [DigitSumsToolset(config.tools)]
+
+    @vf.reward(weight=1.0)
+    async def correct(self, trace: vf.Trace) -> float:
+        numbers = re.findall(r"-?\d+", trace.last_reply)
+        return 1.0 if numbers and int(numbers[-1]) == self.data.answer else 0.0
+
+    @vf.reward(weight=0.5)
+    async def concise(self, trace: vf.Trace) -> float:
+        return 1.0 if 0 < len(trace.last_reply) <= 16 else 0.0
+
+
+class DigitSumsConfig(vf.TasksetConfig):
+    split: str = "train"
+    """"train" or "eval": the eval split holds pairs the train split never asks."""
+    seed: int = 0
+    task: DigitSumsTaskConfig = DigitSumsTaskConfig()
+
+
+class DigitSumsTaskset(vf.Taskset[DigitSumsTask, DigitSumsConfig]):
+    def load(self) -> list[DigitSumsTask]:
+        pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+        random.Random(self.config.seed).shuffle(pairs)
+        chosen = pairs[:24] if self.config.split == "eval" else pairs[24:]
+        return [DigitSumsTask(DigitSumsData(id=f"{self.config.split}-{a}+{b}", system_prompt=SYSTEM_PROMPT,
+                                            prompt=f"What is {a} + {b}?", answer=a + b), self.config.task)
+                for a, b in chosen]
