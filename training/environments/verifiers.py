@@ -16,9 +16,13 @@ chat program (chat turns and the task's MCP tools) started with this interpreter
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import os
 import sys
 import tempfile
 import types
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -65,26 +69,21 @@ class _OfflineRuntime:
     async def prepare_uv_script(self, script: str | bytes, env: dict[str, str] | None = None, *,
                                 activate: bool = True) -> list[str]:
         data = script.encode() if isinstance(script, str) else script
-        path = Path(tempfile.gettempdir()) / f"training-vf-chat-{hash(data) & 0xFFFFFFFF:08x}.py"
-        if not path.is_file() or path.read_bytes() != data:
-            tmp = path.with_suffix(f".{id(self)}.tmp")
+        path = Path(tempfile.gettempdir()) / f"training-vf-chat-{hashlib.sha256(data).hexdigest()[:16]}.py"
+        if not path.is_file():  # named by its content: a file that is there holds this script
+            tmp = path.with_suffix(f".{os.getpid()}.{id(self)}.tmp")
             tmp.write_bytes(data)
             tmp.replace(path)
         return [sys.executable, str(path)]
 
 
-def _register_local_harness(vf) -> None:
+def _register_local_harness() -> None:
     if LOCAL_HARNESS in sys.modules:
         return
-    from verifiers.v1.harnesses.null import NullHarness, NullHarnessConfig
-
-    class LocalChatConfig(NullHarnessConfig):
-        pass
+    from verifiers.v1.harnesses.null import NullHarness
 
     class LocalChatHarness(NullHarness):
         """verifiers' `null` harness (its bundled chat loop over the task's MCP tools), started offline."""
-
-        config: LocalChatConfig
 
         async def setup(self, runtime) -> None:  # the stock one `uv sync`s the chat program here
             return None
@@ -92,7 +91,6 @@ def _register_local_harness(vf) -> None:
         async def launch(self, ctx, trace, runtime, *args, **kwargs):
             return await super().launch(ctx, trace, _OfflineRuntime(runtime), *args, **kwargs)
 
-    LocalChatHarness.__orig_bases__ = (vf.Harness[LocalChatConfig],)  # its config type, read off its bases
     module = types.ModuleType(LOCAL_HARNESS, "verifiers harness: the null chat program, run offline")
     module.LocalChatHarness, module.__all__ = LocalChatHarness, ["LocalChatHarness"]
     sys.modules[LOCAL_HARNESS] = module
@@ -102,21 +100,24 @@ def load_offline_env(env: str | dict[str, Any] | Any):
     """The verifiers `Env` for `env` (a taskset id, an env config dict or a `vf.EnvConfig`), every agent pinned to
     the local subprocess runtime and an unpinned one to `LOCAL_HARNESS`."""
     vf = _vf()
-    _register_local_harness(vf)
+    _register_local_harness()
     data = {"taskset": {"id": env}} if isinstance(env, str) else env
     config = vf.resolve_env_config(data)
     raw = config.model_dump()
-    for role, agent in vf.resolve_env_config(data).__class__.model_fields.items():
-        if not isinstance(agent.default, vf.AgentConfig):
+    for role, field in type(config).model_fields.items():
+        if not isinstance(field.default, vf.AgentConfig):
             continue
-        pinned = getattr(config, role).harness
-        harness_id = None if pinned is None else pinned.id
+        agent = getattr(config, role)
+        harness_id = None if agent.harness is None else agent.harness.id
+        where = f"from_verifiers: agent {role!r} of {config.env_id!r}"
         if harness_id not in _OFFLINE_HARNESSES:
-            raise ConfigError(f"from_verifiers: agent {role!r} of {config.env_id!r} pins the harness {harness_id!r}, "
-                              f"which needs a sandbox or a download; only verifiers' chat harness ('null') runs "
-                              "offline here (docs/environments.md: verifiers)")
-        raw[role]["harness"] = {"id": LOCAL_HARNESS}
-        raw[role]["runtime"] = {"type": "subprocess"}
+            raise ConfigError(f"{where} pins the harness {harness_id!r}, which needs a sandbox or a download; only "
+                              "verifiers' chat harness ('null') runs offline here (docs/environments.md: verifiers)")
+        if "runtime" in agent.model_fields_set and agent.runtime.type != "subprocess":
+            raise ConfigError(f"{where} pins the {agent.runtime.type!r} runtime; episodes run in verifiers' local "
+                              "'subprocess' runtime here (docs/environments.md: verifiers)")
+        raw[role]["harness"] = {**(raw[role].get("harness") or {}), "id": LOCAL_HARNESS}
+        raw[role]["runtime"] = {"type": "subprocess"}  # verifiers' default is a remote Prime sandbox
     return vf.load_environment(vf.resolve_env_config(raw))
 
 
@@ -149,6 +150,55 @@ def from_verifiers(
         out["evaluation_fn"] = rollout_evaluation(held_out.rollout_fn_factory, held_out.rows,
                                                   samples_per_row=eval_samples_per_row)
     return out
+
+
+class _Serving:
+    """`env.serving()` (its interception server, its taskset-scoped tool servers) entered once, by the first
+    episode in an event loop, and held by a task of its own for the life of that loop: starting them per episode
+    would cost each episode a tool server's start-up. The loop's shutdown cancels that task (`asyncio.run` and the
+    recipes' runner cancel every task left), which exits `serving()` and stops those servers."""
+
+    def __init__(self, env) -> None:
+        self.env, self.loop, self.holder, self.up = env, None, None, None
+
+    async def ready(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.loop is not loop or self.holder.done():
+            self.loop, self.up = loop, loop.create_future()
+            self.holder = loop.create_task(self._hold(), name=f"verifiers {self.env.config.env_id} serving")
+        # shielded: a draw cancelled while the servers start must not cancel the start for the others
+        await asyncio.shield(self.up)
+
+    async def _hold(self) -> None:
+        try:
+            async with self.env.serving():
+                self.up.set_result(None)
+                await asyncio.Event().wait()  # until cancelled
+        except BaseException as e:
+            if not self.up.done():
+                self.up.set_exception(e if isinstance(e, Exception) else RuntimeError("serving was cancelled"))
+            raise
+
+
+_SERVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+async def served(env) -> None:
+    """`env` is serving in this event loop (entered on first use, then held: `_Serving`)."""
+    await _SERVING.setdefault(env, _Serving(env)).ready()
+
+
+async def _close_client(env, client_config) -> None:
+    """Close the interception server's HTTP client for this episode's endpoint config. verifiers keeps one client
+    per distinct config until the server stops, and each episode's config is its own (its session's header): held
+    for a whole run, they would pile up, one per episode. (Reads verifiers 0.4.0's interception servers, which the
+    pin fixes; one it cannot find is left to close with the server.)"""
+    interception = getattr(env, "_interception", None)
+    key = client_config.model_dump_json()
+    for server in getattr(interception, "servers", [interception]):
+        client = getattr(server, "clients", {}).pop(key, None)
+        if client is not None:
+            await client.close()
 
 
 class _Episodes:
@@ -194,10 +244,11 @@ class _Episodes:
         return rollout_fn
 
     async def _play(self, task, ctx, task_id: str):
-        # Served per episode: the interception server keeps one HTTP client per endpoint config until it stops,
-        # and each episode's endpoint is its own shim session.
-        async with self.env.serving():
+        await served(self.env)
+        try:
             episode = await self.env.run_episode(task, ctx)
+        finally:
+            await _close_client(self.env, ctx.client)
         label = task_label(self.label, task_id)
         if len(episode.traces) != 1:
             raise ConfigError(f"from_verifiers: {label} played {len(episode.traces)} agent runs in one episode; "
