@@ -25,8 +25,8 @@ from real_engines import INSTALL_TIMEOUT_S, _index_url, exclusive_lock, run_inst
 from training.utils.models.load import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"reasoning-gym": "0.1.25", "openenv-core": "0.3.0"}
-"""The pins of pyproject.toml's extras `.[reasoning-gym]` and `.[openenv]` (verifiers has no adapter yet)."""
+PACKAGES = {"reasoning-gym": "0.1.25", "openenv-core": "0.3.0", "verifiers": "0.4.0"}
+"""The pins of pyproject.toml's extras `.[reasoning-gym]`, `.[openenv]` and `.[verifiers]`."""
 CHECKS_TIMEOUT_S = 1500.0
 _COMPLETE = ".complete"
 

@@ -18,3 +18,7 @@ def test_reasoning_gym():
 
 def test_openenv():
     run_checks("openenv-core", "check_openenv.py")
+
+
+def test_verifiers():
+    run_checks("verifiers", "check_verifiers.py")

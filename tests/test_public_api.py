@@ -17,8 +17,9 @@ PUBLIC = [
     "AgentShimConfig", "BadEnvironmentError", "ChatAssembler", "ConfigError", "DeploymentConfig", "GeneratedSplits",
     "LossInputs", "OverlongConfig", "PromptGroup", "RecoverableRolloutError", "RolloutRun", "RolloutSample",
     "RolloutSetup", "SamplingConfig", "TISConfig", "TokenLoss", "TrainerConfig", "build_deployment_sampler",
-    "build_renderer", "from_openenv", "from_reasoning_gym", "get_text_content", "load_model_and_tokenizer",
-    "load_tokenizer", "openenv_server", "read_jsonl", "register_policy_loss", "restart_with_allocator",
+    "build_renderer", "from_openenv", "from_reasoning_gym", "from_verifiers", "get_text_content",
+    "load_model_and_tokenizer", "load_tokenizer", "openenv_server", "read_jsonl", "register_policy_loss",
+    "restart_with_allocator",
     "rollout_evaluation", "sample_from_completion", "serve_policy", "set_openmp_wait_policy", "write_jsonl",
 ]
 """Adding or removing a public name is a decision: change this list, the docs and CONTRIBUTING.md with it."""

@@ -58,6 +58,7 @@ PUBLIC_NAMES: dict[str, str] = {
     "from_reasoning_gym": "training.environments.reasoning_gym",
     "from_openenv": "training.environments.openenv",
     "openenv_server": "training.environments.openenv",
+    "from_verifiers": "training.environments.verifiers",
     "BadEnvironmentError": "training.environments.episodes",
     # the process a run lives in
     "restart_with_allocator": "training.utils.runtime.allocator",
@@ -89,6 +90,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; `X as X` marks a re-export
         openenv_server as openenv_server,
     )
     from training.environments.reasoning_gym import from_reasoning_gym as from_reasoning_gym
+    from training.environments.verifiers import from_verifiers as from_verifiers
     from training.utils.config.rl import (
         AgentShimConfig as AgentShimConfig,
         DeploymentConfig as DeploymentConfig,
