@@ -20,6 +20,7 @@ of its compute dtype is printed (`perf/trainer_mfu`'s peak is the machine's; thi
 from __future__ import annotations  # noqa: I001 - the allocator's restart before torch loads
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -107,61 +108,64 @@ class GemmPass:
         return forward, forward * (2 if self.weight_grads else 1)
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: first-touch pages, oneDNN's kernel choice
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def seconds_of(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def taking_turns(timed: dict[str, object], repeats: int) -> dict[str, float]:
+    """The median seconds of each callable over `repeats` rounds after a warm-up one (first-touch pages, oneDNN's
+    kernel choice); within a round each runs once, in turn, so that a machine whose speed drifts (other jobs
+    starting and stopping) slows them alike."""
+    for fn in timed.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    rounds = [{name: seconds_of(fn) for name, fn in timed.items()} for _ in range(repeats)]
+    return {name: statistics.median(r[name] for r in rounds) for name in timed}
 
 
-def trainer_seconds(model, datums, args, precision: str) -> tuple[float, float, str, Trainer]:
-    """Median seconds of the trainer's `forward_backward` on `datums`, the FLOPs it counted for one, and its
-    compute dtype."""
-    cfg = TrainerConfig(learning_rate=1e-6, lora_rank=args.lora_rank, precision=precision,
-                        max_tokens_per_microbatch=args.max_tokens_per_microbatch)
-    trainer = Trainer(model, cfg)
-    before = trainer.flops
-    seconds = median_seconds(lambda: trainer.forward_backward(datums, pg_loss), args.repeats)
-    flops = (trainer.flops - before) / (args.repeats + 1)
-    return seconds, flops, str(compute_dtype(trainer.precision)).removeprefix("torch."), trainer
+def make_trainer(model, args, precision: str) -> Trainer:
+    return Trainer(copy.deepcopy(model), TrainerConfig(learning_rate=1e-6, lora_rank=args.lora_rank,
+                                                       precision=precision,
+                                                       max_tokens_per_microbatch=args.max_tokens_per_microbatch))
 
 
 def main() -> None:
     args = parse_args()
-    gemm: dict[str, float] = {}
-    shapes = None
-    for precision in args.precisions.split(","):
-        model, _ = load_model_and_tokenizer(args.model, dtype=torch.float32, device=torch.device("cpu"))
-        config = model.config
-        datums = grouped_datums(args.batch, args.group_size, "main-job", config.vocab_size)
-        seconds, counted, dtype, trainer = trainer_seconds(model, datums, args, precision)
-        if shapes is None:
-            shapes = microbatch_shapes(trainer, datums)
-            print(f"model={args.model} layers={config.num_hidden_layers} hidden={config.hidden_size} "
-                  f"intermediate={config.intermediate_size} vocab={config.vocab_size} "
-                  f"projections={','.join(f'{i}x{o}' for i, o in projections(config))} lora_rank={args.lora_rank} "
-                  f"datums={len(datums)} micro-batches={len(shapes)} tokens={'/'.join(str(n) for n, _ in shapes)} "
-                  f"projected={'/'.join(str(m) for _, m in shapes)} threads={torch.get_num_threads()} "
-                  f"torch={torch.__version__}", flush=True)
-            for name, gemm_dtype in GEMM_DTYPES.items():
-                with torch.no_grad():
-                    gemms = GemmPass(config, gemm_dtype, shapes, weight_grads=args.lora_rank == 0)
-                    forward_s = median_seconds(gemms.forward, args.repeats)
-                    backward_s = median_seconds(gemms.backward, args.repeats)
-                forward_f, backward_f = gemms.flops()
-                gemm[name] = forward_s + backward_s
-                print(f"gemm-only {name:8s} forward {forward_s:.4g} s ({forward_f / 1e9:.4g} GFLOP, "
-                      f"{forward_f / forward_s / 1e9:.1f} GFLOP/s)  backward {backward_s:.4g} s "
-                      f"({backward_f / 1e9:.4g} GFLOP, {backward_f / backward_s / 1e9:.1f} GFLOP/s)  "
-                      f"total {gemm[name]:.4g} s", flush=True)
-                del gemms
-        print(f"trainer {precision:13s} forward_backward {seconds:.4g} s ({counted / 1e9:.3f} GFLOP counted, "
-              f"{counted / seconds / 1e9:.1f} GFLOP/s), {dtype}: {seconds / gemm[dtype]:.2f}x its GEMM-only time "
-              f"{gemm[dtype]:.4g} s", flush=True)
-        del trainer, model
+    model, _ = load_model_and_tokenizer(args.model, dtype=torch.float32, device=torch.device("cpu"))
+    config = model.config
+    datums = grouped_datums(args.batch, args.group_size, "main-job", config.vocab_size)
+    trainers = {precision: make_trainer(model, args, precision) for precision in args.precisions.split(",")}
+    shapes = microbatch_shapes(next(iter(trainers.values())), datums)
+    print(f"model={args.model} layers={config.num_hidden_layers} hidden={config.hidden_size} "
+          f"intermediate={config.intermediate_size} vocab={config.vocab_size} "
+          f"projections={','.join(f'{i}x{o}' for i, o in projections(config))} lora_rank={args.lora_rank} "
+          f"datums={len(datums)} micro-batches={len(shapes)} tokens={'/'.join(str(n) for n, _ in shapes)} "
+          f"projected={'/'.join(str(m) for _, m in shapes)} threads={torch.get_num_threads()} "
+          f"torch={torch.__version__}", flush=True)
+    gemms = {name: GemmPass(config, dtype, shapes, weight_grads=args.lora_rank == 0)
+             for name, dtype in GEMM_DTYPES.items()}
+    timed = {f"trainer {p}": (lambda t=t: t.forward_backward(datums, pg_loss)) for p, t in trainers.items()}
+    for name, gemm in gemms.items():
+        timed[f"{name} forward"], timed[f"{name} backward"] = gemm.forward, gemm.backward
+    flops_before = {p: t.flops for p, t in trainers.items()}
+    seconds = taking_turns(timed, args.repeats)  # the GEMMs' operands need no gradient: no graph is built
+    total = {}
+    for name, gemm in gemms.items():
+        forward_s, backward_s = seconds[f"{name} forward"], seconds[f"{name} backward"]
+        forward_f, backward_f = gemm.flops()
+        total[name] = forward_s + backward_s
+        print(f"gemm-only {name:8s} forward {forward_s:.4g} s ({forward_f / 1e9:.4g} GFLOP, "
+              f"{forward_f / forward_s / 1e9:.1f} GFLOP/s)  backward {backward_s:.4g} s "
+              f"({backward_f / 1e9:.4g} GFLOP, {backward_f / backward_s / 1e9:.1f} GFLOP/s)  "
+              f"total {total[name]:.4g} s", flush=True)
+    for precision, trainer in trainers.items():
+        step_s = seconds[f"trainer {precision}"]
+        counted = (trainer.flops - flops_before[precision]) / (args.repeats + 1)  # the warm-up's too
+        dtype = str(compute_dtype(trainer.precision)).removeprefix("torch.")
+        print(f"trainer {precision:13s} forward_backward {step_s:.4g} s ({counted / 1e9:.3f} GFLOP counted, "
+              f"{counted / step_s / 1e9:.1f} GFLOP/s), {dtype}: {step_s / total[dtype]:.2f}x its GEMM-only time "
+              f"{total[dtype]:.4g} s", flush=True)
 
 
 if __name__ == "__main__":
