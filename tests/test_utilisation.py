@@ -344,8 +344,8 @@ def test_cpu_util_counts_every_thread_against_the_wall_and_the_cores(probes):
     # The threads' own clocks: about 0.97 on a quiet machine, less when other jobs take the cores. Either way a
     # clock of one of the two threads would read half of it, and one of the main thread next to nothing.
     threads_util = sum(clocks) / wall / 2
-    assert threads_util > 0.2 and len(clocks) == 2
-    assert both == pytest.approx(threads_util, abs=0.05)
+    assert threads_util > 0.05 and len(clocks) == 2
+    assert both == pytest.approx(threads_util, rel=0.15)
     time.sleep(1.0)
     idle = utilisation.step_metrics({}, policy, None, deployment)["perf/cpu_util"]
     assert idle < 0.1
