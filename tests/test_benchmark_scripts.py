@@ -124,6 +124,32 @@ def check_cpu_attention(out: str) -> None:
                                   for sdpa, ours, ratio in rows), rows
 
 
+def check_gemm_shapes(out: str) -> None:
+    header = re.search(r"layers=(\d+) hidden=(\d+) intermediate=\d+ vocab=(\d+) projections=(\S+) lora_rank=(\d+) "
+                       r"datums=\d+ micro-batches=(\d+) tokens=(\S+) projected=(\S+)", out)
+    assert header, out[-3000:]
+    layers, hidden, vocab, pairs, rank, count = (header.group(i) for i in (1, 2, 3, 4, 5, 6))
+    tokens, projected = ([int(x) for x in header.group(i).split("/")] for i in (7, 8))
+    assert int(count) == len(tokens) == len(projected) and all(n >= m > 0 for n, m in zip(tokens, projected))
+    # The forward's FLOPs follow from the shapes it prints: 2·in·out per projection per layer per token, and the head
+    # 2·hidden·V per projected position; a LoRA run's backward is the input gradients alone, as many.
+    per_token = 2 * int(layers) * sum(int(i) * int(o) for i, o in (pair.split("x") for pair in pairs.split(",")))
+    expected = (sum(tokens) * per_token + sum(projected) * 2 * int(hidden) * int(vocab)) / 1e9
+    rows = figures(r"gemm-only (?:bfloat16|float32) +forward NUMBER s \(NUMBER GFLOP, NUMBER GFLOP/s\)  backward "
+                   r"NUMBER s \(NUMBER GFLOP, NUMBER GFLOP/s\)  total NUMBER s", out)
+    assert len(rows) == 2, rows
+    for forward_s, forward_f, _, backward_s, backward_f, _, total in rows:
+        assert forward_f == pytest.approx(expected, rel=1e-3) and backward_f == forward_f and int(rank) > 0
+        assert forward_s > 0 and backward_s > 0 and total == pytest.approx(forward_s + backward_s, rel=2e-3)
+    totals = {"bfloat16": rows[0][-1], "float32": rows[1][-1]}
+    trainers = re.findall(rf"trainer +\S+ +forward_backward {NUMBER} s .*?, (bfloat16|float32): {NUMBER}x its "
+                          rf"GEMM-only time {NUMBER} s", out)
+    assert len(trainers) == 2, out[-3000:]
+    for seconds, dtype, ratio, gemm in trainers:
+        # The ratio is the trainer's time over the GEMM-only total of its dtype, as printed (to the rounding).
+        assert float(gemm) == totals[dtype] and float(ratio) == pytest.approx(float(seconds) / float(gemm), rel=0.02)
+
+
 SCRIPTS = {
     "sampler_throughput": (["--model", "tiny-random", "--requests", "4", "--max-tokens", "8"],
                            check_sampler_throughput),
@@ -137,6 +163,8 @@ SCRIPTS = {
                                  "--warmup", "0", "--variants", "lora4,lora4+percast", "--precision",
                                  "bf16-autocast"], check_trainer_throughput(["lora4", "lora4+percast"])),
     "machine_peak": ([], check_machine_peak),
+    "gemm_shapes": (["--model", "tiny-random", "--batch", "8", "--group-size", "4", "--repeats", "1"],
+                    check_gemm_shapes),
     "lora_engine": (["--model", "tiny-random", "--repeats", "1"],
                     check_lora_engine(["merged", "peft", "added", "unmerged"])),
     "lora_engine bf16": (["--model", "tiny-random", "--repeats", "1", "--dtype", "bfloat16"],

@@ -11,8 +11,12 @@ MLP 128, vocabulary 260. By hand:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +28,7 @@ from training.utils.config.rl import DeploymentConfig, SamplingConfig, TrainerCo
 from training.utils.models.flops import cached_forward_flops, causal_pairs, decoder_shape, forward_flops
 from training.utils.models.load import load_model_and_tokenizer
 from training.utils.models.tiny import tiny_config
+from training.utils.rl import telemetry
 from training.utils.rl.rollout.types import sample_from_completion
 from training.utils.rl.telemetry import Utilisation
 from training.utils.run_files.logging import read_ledger
@@ -248,6 +253,7 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes, monkeypatch):
              "perf/old_policy_forward_time": 0.0, "perf/optim_step_time": 0.1}
     shared_seconds[0] = 7.25  # the engine computed beside the trainer for a quarter of its second
     first = utilisation.step_metrics(times, policy, None, deployment)
+    assert 0 <= first.pop("perf/cpu_util") <= 1  # the real process's (test_cpu_util_* below)
     # The prefill as 8 whole prompts of 5 tokens: 40·147456 + 8·33280 + 8·15·512 FLOPs in 1 ms, against 1e12 FLOP/s.
     prefill = 40 * PER_TOKEN + 8 * PER_PROJECTED + 120 * PER_PAIR
     # Decoding one token is at least its weight matmuls and its vocabulary projection: at 1e12 FLOP/s, at most
@@ -263,9 +269,11 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes, monkeypatch):
     policy.flops = 4e9
     shared_seconds[0] = 7.75
     second = utilisation.step_metrics(times, policy, None, deployment)
+    assert 0 <= second.pop("perf/cpu_util") <= 1
     assert second == pytest.approx({"perf/trainer_mfu": 1e9 / 1e12, "perf/trainer_tflops": 1e9 / 1e12,
                                     "perf/trainer_cpu_shared_frac": 0.5})
     summary = utilisation.summary()
+    assert 0 <= summary.pop("cpu_util") <= 1
     assert summary == pytest.approx({
         "rollout_wait_share": 0.4, "train_share": 0.5, "weight_sync_share": 0.05, "ref_forward_share": 0.1,
         "old_policy_forward_share": 0.0, "fwd_bwd_share": 0.3, "optim_step_share": 0.05,
@@ -276,6 +284,7 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes, monkeypatch):
     text = utilisation.summary_text()
     assert "rollout_wait 40%, train 50%, weight_sync 5% (of it ref_forward 10%" in text
     # The bounds as printed, the smaller first: compute 5,532,932 tokens/s, against 181,818,182 from the bandwidth.
+    assert re.search(rf"utilisation: CPU \d+% of {utilisation.cores} cores; trainer 0.2% of", text)
     assert "trainer 0.2% of the float32 peak (the engine computed on the same cores for 38% of it)" in text
     assert ("decode 64 tokens/s of the 5532932 its bounds allow (5532932 at the float32 peak, 181818182 at the memory "
             "bandwidth)") in text
@@ -287,7 +296,8 @@ def test_an_external_server_gets_no_engine_utilisation(probes):
                              flop_shape=decoder_shape(tiny_config(260)), model=torch.nn.Linear(2, 2))
     metrics = Utilisation.for_run(policy, DeploymentConfig()).step_metrics({"perf/train_time": 1.0}, policy, None,
                                                                           deployment)
-    assert set(metrics) == {"perf/trainer_mfu", "perf/trainer_tflops"}  # nor the shared clock: another process
+    # nor the shared clock: another process
+    assert set(metrics) == {"perf/cpu_util", "perf/trainer_mfu", "perf/trainer_tflops"}
 
 
 def test_a_model_whose_flops_are_not_counted_gets_only_the_bandwidth_bound(probes):
@@ -298,13 +308,55 @@ def test_a_model_whose_flops_are_not_counted_gets_only_the_bandwidth_bound(probe
     deployment.stats = {"prefill_tokens": 40, "prompt_tokens": 40, "requests": 8, "prefill_time_s": 0.001,
                         "output_tokens": 32, "decode_steps": 4, "decode_time_s": 0.5}
     metrics = utilisation.step_metrics({"perf/step_time": 1.0}, policy, None, deployment)
+    assert 0 <= metrics.pop("perf/cpu_util") <= 1
     assert metrics == pytest.approx({"perf/engine_decode_tokens_per_s": 64.0,
                                      "perf/engine_decode_bound_tokens_per_s": 1e10 / 440 * 8})
     assert "decode 64 tokens/s of a 181818182 tokens/s bandwidth bound" in utilisation.summary_text()
 
 
+def busy(seconds: float, clocks: list[float]) -> None:
+    """Hash for `seconds` of wall time, appending this thread's own CPU seconds: hashlib lets go of the GIL on a
+    large buffer, so two such threads run on two cores at once."""
+    data, start, cpu = bytes(1 << 22), time.monotonic(), time.thread_time()
+    while time.monotonic() - start < seconds:
+        hashlib.sha256(data)
+    clocks.append(time.thread_time() - cpu)
+
+
+@pytest.mark.skipif(telemetry.usable_cores() < 2, reason="two busy threads need two cores")
+def test_cpu_util_counts_every_thread_against_the_wall_and_the_cores(probes):
+    """A pair of busy threads on 2 cores reads their own CPU clocks over the wall and the cores (near 1 on a quiet
+    machine); an idle second near 0."""
+    policy = SimpleNamespace(flops=0.0, precision="fp32", device=torch.device("cpu"), flop_shape=None,
+                             model=torch.nn.Linear(2, 2))
+    deployment, utilisation = CountingDeployment(), Utilisation.for_run(policy, DeploymentConfig(dtype="float32"))
+    utilisation.cores = 2
+    utilisation.step_metrics({}, policy, None, deployment)  # the window opens here
+    clocks: list[float] = []
+    start = time.monotonic()
+    threads = [threading.Thread(target=busy, args=(1.5, clocks)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.monotonic() - start
+    both = utilisation.step_metrics({}, policy, None, deployment)["perf/cpu_util"]
+    # The threads' own clocks: about 0.97 on a quiet machine, less when other jobs take the cores. Either way a
+    # clock of one of the two threads would read half of it, and one of the main thread next to nothing.
+    threads_util = sum(clocks) / wall / 2
+    assert threads_util > 0.05 and len(clocks) == 2
+    assert both == pytest.approx(threads_util, rel=0.15)
+    time.sleep(1.0)
+    idle = utilisation.step_metrics({}, policy, None, deployment)["perf/cpu_util"]
+    assert idle < 0.1
+    # Over the run: the CPU seconds of the three windows over their wall seconds, not the mean of the three.
+    assert utilisation.summary()["cpu_util"] == pytest.approx(
+        utilisation.totals["cpu_s"] / utilisation.totals["wall_s"] / 2)
+    assert (both + idle) / 2 < utilisation.summary()["cpu_util"] < both
+
+
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(4)]
-UTILISATION_KEYS = {"perf/trainer_mfu", "perf/trainer_tflops", "perf/engine_prefill_mfu",
+UTILISATION_KEYS = {"perf/cpu_util", "perf/trainer_mfu", "perf/trainer_tflops", "perf/engine_prefill_mfu",
                     "perf/engine_decode_tokens_per_s", "perf/engine_decode_bound_tokens_per_s",
                     "perf/engine_decode_compute_bound_tokens_per_s"}
 
@@ -335,5 +387,7 @@ def test_both_recipes_log_utilisation_every_step(recipe, probes, tmp_path):
         # here; the bound leaves room for an engine thread descheduled in its step's last microseconds on a busy
         # machine, against a 10 ms training pass, and still fails a clock that ran while the trainer alone did).
         assert 0 <= record["perf/trainer_cpu_shared_frac"] <= (0.5 if recipe is rl_loop else 1)
+        assert record["perf/cpu_util"] <= 1.01  # clocks read a few microseconds apart
     assert 0 < summary["utilisation"]["trainer_mfu"] <= 1
+    assert 0 < summary["utilisation"]["cpu_util"] <= 1.01
     assert summary["utilisation"]["train_share"] > 0

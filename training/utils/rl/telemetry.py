@@ -25,7 +25,9 @@ FLOPs over its prefill time and the peak of its dtype (`engine_prefill_mfu`); it
 the machine sets, reading the weights at the memory bandwidth (`engine_decode_bound_tokens_per_s`) and their matmuls
 at the peak (`engine_decode_compute_bound_tokens_per_s`): with many rows a step on a CPU is bound by arithmetic.
 With an embedded engine beside a CPU trainer, `trainer_cpu_shared_frac`: the share of `train_time` in which the
-engine computed on the same cores (`cpu_share.shared_seconds`), where both run slower than alone. The peaks
+engine computed on the same cores (`cpu_share.shared_seconds`), where both run slower than alone. `cpu_util`: the
+process's CPU seconds (every thread: trainer, engine, event loop, OpenMP workers) ÷ the wall time ÷ the cores it may
+run on, since the previous step; below 1 a core idled, whatever the reason (a serial phase, a lock, waiting). The peaks
 come from `machine_peak`, measured once per machine and cached. At the end of a run, `Utilisation.summary_text()`:
 where the step time went, and the run's mean utilisation.
 
@@ -36,6 +38,8 @@ of the runs that report raw logprobs.
 
 from __future__ import annotations
 
+import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -131,6 +135,17 @@ class EngineCounters:
         return metrics
 
 
+def process_cpu_seconds() -> float:
+    """User and system CPU seconds of this process so far, all its threads (not its children: an agent process's
+    are its own)."""
+    return time.process_time()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container or `taskset` narrows)."""
+    return len(os.sched_getaffinity(0))
+
+
 STEP_PARTS = ("rollout_wait", "train", "weight_sync")
 """The parts of a step the summary shares its time among (`perf/<part>_time`); the trainer's phases (`PHASES`)
 are parts of `train`."""
@@ -159,6 +174,8 @@ class Utilisation:
     totals: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Sums over the run: the step's `perf/*_time` parts, and the FLOPs, seconds and tokens the means divide."""
     steps: int = 0
+    cores: int = field(default_factory=usable_cores)
+    """What `cpu_util` divides by: the cores the process may run on."""
 
     @classmethod
     def for_run(cls, policy: Trainer, deployment_cfg: DeploymentConfig) -> Utilisation:
@@ -171,7 +188,11 @@ class Utilisation:
                                                                            attention_pairs=0, projected=1)
         # The shared clock is the process's: a run counts from where it stood when the run began.
         return cls(peaks, {name: str(dtype).removeprefix("torch.") for name, dtype in dtypes.items()}, weight_bytes,
-                   token_flops, last={"cpu_shared_s": cpu_share.shared_seconds()})
+                   token_flops, last={"cpu_shared_s": cpu_share.shared_seconds(), **cls.cpu_clocks()})
+
+    @staticmethod
+    def cpu_clocks() -> dict[str, float]:
+        return {"cpu_s": process_cpu_seconds(), "wall_s": time.monotonic()}
 
     def step_metrics(self, metrics: dict, policy: Trainer, reference: Reference | None,
                      deployment: Deployment) -> dict[str, float]:
@@ -184,7 +205,17 @@ class Utilisation:
         # An embedded engine (the only kind with counters) computes on the trainer's cores when both are on a CPU.
         shares_cpu = bool(stats) and policy.device.type == "cpu"
         train_time = metrics.get("perf/train_time", 0.0)
-        return self._trainer(train_time, policy, reference, shares_cpu) | self._engine(stats, policy)
+        return self._cpu() | self._trainer(train_time, policy, reference, shares_cpu) | self._engine(stats, policy)
+
+    def _cpu(self) -> dict[str, float]:
+        """The process's CPU seconds over the wall seconds and cores since the previous step (the first step's since
+        the run was made, its first evaluation included)."""
+        grown = {name: self._grown(name, value) for name, value in self.cpu_clocks().items()}
+        if grown["wall_s"] <= 0:
+            return {}
+        for name, value in grown.items():
+            self.totals[name] += value
+        return {"perf/cpu_util": grown["cpu_s"] / grown["wall_s"] / self.cores}
 
     def _grown(self, name: str, value: float) -> float:
         grown, self.last[name] = value - self.last.get(name, 0.0), value
@@ -245,6 +276,8 @@ class Utilisation:
         if t["step"] > 0:
             phases = PHASES if any(t[phase] for phase in PHASES) else ()
             summary |= {f"{part}_share": t[part] / t["step"] for part in (*STEP_PARTS, *phases)}
+        if t["wall_s"] > 0:
+            summary["cpu_util"] = t["cpu_s"] / t["wall_s"] / self.cores
         if t["trainer_time"] > 0:
             summary["trainer_mfu"] = t["trainer_flops"] / t["trainer_time"] / self.peaks["trainer"]
         if t["cpu_shared_train_time"] > 0:
@@ -265,7 +298,7 @@ class Utilisation:
                  "  time: " + ", ".join(f"{part} {s[part + '_share']:.0%}" for part in STEP_PARTS)]
         if f"{PHASES[0]}_share" in s:
             lines[-1] += " (of it " + ", ".join(f"{phase} {s[phase + '_share']:.0%}" for phase in PHASES) + ")"
-        use = []
+        use = [f"CPU {s['cpu_util']:.0%} of {self.cores} cores"] if "cpu_util" in s else []
         if "trainer_mfu" in s:
             use.append(f"trainer {s['trainer_mfu']:.1%} of the {self.dtypes['trainer']} peak")
             if s.get("trainer_cpu_shared_frac", 0) > 0:
