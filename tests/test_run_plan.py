@@ -55,7 +55,7 @@ def test_the_ledgers_first_record_is_the_plan(tmp_path, caplog):
     # 1024 positions are the engine's context and the longest segment.
     assert plan | {"threads": None} == dict(
         recipe="rl_loop", device="cpu", threads=None, precision="fp32", trainer_weight_dtype="float32",
-        trainer_compute_dtype="float32", engine_dtype="float32", lora=False, lora_weights=None,
+        trainer_compute_dtype="float32", engine_dtype="float32", decode_steps="eager", lora=False, lora_weights=None,
         frozen_weight_casts=False, compile_layers=False, share_prefixes=True, tis=None, min_group_size=2,
         eps_clip_high=0.2,
         max_tokens_per_microbatch=2048, gradient_checkpointing=False, memory_budget="no budget",

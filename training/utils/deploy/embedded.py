@@ -38,6 +38,13 @@ class EmbeddedDeployment(DeploymentHandle):
         """Weight version the engine serves now."""
         return self.engine.version
 
+    @property
+    def decode_steps(self) -> str:
+        """The decode steps the engine runs: `deployment.decode_steps` with `auto` decided and the self-check passed
+        (`graphs.decode_steps_for`), "eager" otherwise."""
+        steps = self.engine._steps
+        return "eager" if steps is None else "graphs" if steps.capture else "static"
+
     def engine_stats(self) -> dict[str, float]:
         """A snapshot of the engine's cumulative counters (`Engine.stats`), as floats."""
         return {key: float(value) for key, value in self.engine.stats.copy().items()}

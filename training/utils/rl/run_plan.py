@@ -66,6 +66,8 @@ class RunPlan:
     trainer_compute_dtype: str
     engine_dtype: str | None
     """The embedded engine's weight dtype (`deployment.dtype`, `auto` decided); None for an external server."""
+    decode_steps: str | None
+    """The embedded engine's decode steps (`deployment.decode_steps`, `auto` decided, after the self-check)."""
     lora: bool
     lora_weights: str | None
     """How the embedded engine holds a LoRA policy: `shared` (its adapters over the trainer's base) or `merged` (a
@@ -118,7 +120,7 @@ class RunPlan:
             trainer_weight_dtype=_name(weights_dtype(plan.precision)), trainer_compute_dtype=_name(
                 compute_dtype(plan.precision)),
             engine_dtype=_name(engine_dtype(cfg.deployment, device)) if embedded else None,
-            lora=policy.lora,
+            decode_steps=deployment.decode_steps if embedded else None, lora=policy.lora,
             lora_weights=(("shared" if shares_lora_base(policy.model, cfg.deployment) else "merged")
                           if policy.lora and embedded else None),
             frozen_weight_casts=bool(kept_casts(policy.model.parameters())), compile_layers=cfg.trainer.compile_layers,
@@ -146,6 +148,7 @@ class RunPlan:
             f"trainer   {self.precision} on {self.device} (torch threads: {self.threads}), weights "
             f"{self.trainer_weight_dtype}, compute {self.trainer_compute_dtype}" + "".join(", " + e for e in extras),
             f"engine    {self.engine_dtype or 'external server'}"
+            + (f", {self.decode_steps} decode steps" if self.decode_steps else "")
             + (f", LoRA {self.lora_weights}" if self.lora_weights else "")
             + (f", prefix cache <= {self.prefix_cache_bytes} bytes" if self.prefix_cache_bytes is not None else ""),
             f"loss      tis {tis}, min_group_size {self.min_group_size}, eps_clip_high {self.eps_clip_high}",
