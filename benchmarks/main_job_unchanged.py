@@ -3,21 +3,23 @@ trees of the library bit for bit.
 
 The config is the main job's (training/examples/rl/single_turn_token_in/train.py) with the async-only
 `max_head_offpolicy_versions` dropped, run by `training.recipes.rl_loop`; every draw samples with a seed made of its
-epoch, row and draw index, so two runs of the same code sample the same tokens, and any difference between two trees
-is a difference of what they compute. Each run writes the ledger's `rollout/raw_reward`, `train/loss` and
-`train/grad_norm` per step, as exact float reprs, with the wall time of `main()`:
+epoch, row and draw index, one request at a time in the order the recipe starts the draws, so two runs of the same
+code sample the same tokens, and any difference between two trees is a difference of what they compute. (Sampled
+concurrently, requests join the engine's batches as they arrive, which differs from run to run: two runs of one
+tree then differed from the first step's gradient norm on.) Each run writes the ledger's `rollout/raw_reward`,
+`train/loss` and `train/grad_norm` per step, as exact float reprs, with the wall time of `main()`:
 
     PYTHONPATH=/path/to/tree python benchmarks/main_job_unchanged.py run before.json
     python benchmarks/main_job_unchanged.py compare before.json after.json   # exit 1 on any difference
 
-Run each tree from its own checkout (`PYTHONPATH` on it), one after the other on a quiet machine. With torch's
-default threads two runs of the same tree already differ from the first step's gradient norm on (on two cores the
-trainer's reductions are split by threads); `--threads 1` fixes their order.
+Run each tree from its own checkout (`PYTHONPATH` on it), one after the other; the wall time is of sampling one
+request at a time, so it says nothing of the main job's speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import tempfile
@@ -37,10 +39,12 @@ def run(out: Path, steps: int) -> None:
 
     def make_rollout_fn(setup):
         sampler, sample_kwargs = setup.sampler, setup.sample_kwargs
+        one_at_a_time = asyncio.Lock()
 
         async def rollout_fn(row: dict, *, epoch: int, row_index: int, sample_index: int) -> RolloutSample:
             seed = (epoch * len(rows) + row_index) * 64 + sample_index
-            (completion,) = await sampler.sample(row["prompt_token_ids"], seed=seed, **sample_kwargs)
+            async with one_at_a_time:
+                (completion,) = await sampler.sample(row["prompt_token_ids"], seed=seed, **sample_kwargs)
             return sample_from_completion(row["prompt_token_ids"], completion.output_ids, completion.logprobs,
                                           reward=score(completion.text, row["answer"]),
                                           finish_reason=completion.finish_reason, text=completion.text,
