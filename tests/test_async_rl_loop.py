@@ -181,21 +181,19 @@ def test_synchronous_training_is_on_policy_whatever_the_default_o():
 def test_tis_is_on_by_default_off_policy_and_off_when_written_off():
     from training.utils.config.rl import TISConfig
 
-    assert async_rl_loop.Config(max_head_offpolicy_versions=1).tis == TISConfig()
-    assert async_rl_loop.Config(max_head_offpolicy_versions=1).tis.level == "token"
-    assert async_rl_loop.Config(max_head_offpolicy_versions=1, tis=None).tis is None
-    assert async_rl_loop.Config(max_head_offpolicy_versions=2, tis=TISConfig(cap=3.0)).tis == TISConfig(cap=3.0)
-    assert async_rl_loop.Config().tis is None and async_rl_loop.Config(synchronous_training=True).tis is None
-    assert rl_loop.Config().tis is None
-    # Still the default, not something the user wrote: it follows O when O is assigned later ...
-    cfg = async_rl_loop.Config()
-    cfg.max_head_offpolicy_versions = 1
-    assert cfg.tis == TISConfig() and "tis" not in cfg.model_fields_set
-    cfg.max_head_offpolicy_versions = 0
-    assert cfg.tis is None
-    # ... and a dumped config rebuilds to the same one.
-    written = async_rl_loop.Config(max_head_offpolicy_versions=1)
-    assert async_rl_loop.Config(**written.model_dump()) == written
+    assert async_rl_loop.Config(max_head_offpolicy_versions=1).tis_in_effect() == TISConfig()
+    assert async_rl_loop.Config(max_head_offpolicy_versions=1).tis_in_effect().level == "token"
+    assert async_rl_loop.Config(max_head_offpolicy_versions=1, tis=None).tis_in_effect() is None
+    assert async_rl_loop.Config(max_head_offpolicy_versions=2, tis=TISConfig(cap=3.0)).tis_in_effect() == \
+        TISConfig(cap=3.0)
+    assert async_rl_loop.Config().tis_in_effect() is None
+    assert async_rl_loop.Config(synchronous_training=True).tis_in_effect() is None
+    assert rl_loop.Config().tis_in_effect() is None
+    # The config keeps what the user wrote: the default is decided where the run plan reads it, nothing is set.
+    cfg = async_rl_loop.Config(max_head_offpolicy_versions=1)
+    assert cfg.tis is None and "tis" not in cfg.model_fields_set
+    # ... and a config rebuilt from what was written decides the same.
+    assert async_rl_loop.Config(**cfg.model_dump(exclude_unset=True)).tis_in_effect() == TISConfig()
 
 
 @pytest.mark.parametrize("written", [{}, {"tis": None}], ids=["unset", "written_off"])

@@ -218,3 +218,21 @@ def test_eval_spread_reports_a_run_past_its_time_limit_and_exits_nonzero(tmp_pat
     assert "1 of 1 runs did not finish with an eval after training" in done.stderr
     leftovers = subprocess.run(["pgrep", "-f", "runpy.run_path"], capture_output=True, text=True).stdout.split()
     assert not leftovers, leftovers
+
+
+def test_the_main_job_comparison_names_each_value_that_differs(tmp_path):
+    """`main_job_unchanged.py compare`: exit 0 on equal ledgers, 1 naming each step and key that differs."""
+    before = {"wall_s": 60.0, "steps": {"1": {"rollout/raw_reward": "0.25", "train/loss": "0.1",
+                                              "train/grad_norm": "0.5"}}}
+    after = json.loads(json.dumps(before))
+    after["steps"]["1"]["train/grad_norm"] = "0.5000000000000001"
+    for name, data in (("before", before), ("same", before), ("after", after)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    script = str(REPO / "benchmarks" / "main_job_unchanged.py")
+    same = subprocess.run([sys.executable, script, "compare", "before.json", "same.json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert same.returncode == 0 and "bit-identical" in same.stdout, same.stdout + same.stderr
+    differ = subprocess.run([sys.executable, script, "compare", "before.json", "after.json"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert differ.returncode == 1, differ.stdout + differ.stderr
+    assert "step 1 train/grad_norm: 0.5 != 0.5000000000000001" in differ.stdout and "1 values differ" in differ.stdout

@@ -100,7 +100,7 @@ def test_a_warmup_as_long_as_the_run_is_refused_naming_both(max_steps):
                                           rf"steps \({named} x ppo_epochs=2 x ppo_minibatches=2\)"):
         startup.setup_trainers(cfg(8), total_steps=cfg(8).planned_steps(2))
     policy, _, _, _ = startup.setup_trainers(cfg(7), total_steps=cfg(7).planned_steps(2))
-    assert policy.cfg.total_steps == 8 and policy.cfg.warmup_steps == 7
+    assert policy.plan.total_steps == 8 and policy.cfg.warmup_steps == 7
 
 
 def test_building_a_config_imports_no_torch():

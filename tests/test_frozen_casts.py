@@ -21,6 +21,7 @@ from training.utils.rl import startup
 from training.utils.rl.memory_budget import estimate_memory
 from training.utils.rl.memory_telemetry import owner_bytes
 from training.utils.trainer import Datum, Trainer
+from training.utils.trainer.plan import TrainerPlan
 from training.utils.trainer.precision import keep_frozen_casts
 
 BF16_LORA = dict(learning_rate=5e-2, lora_rank=4, lora_alpha=8.0, precision="bf16-autocast")
@@ -104,16 +105,22 @@ def test_only_frozen_weights_keep_casts_and_only_where_the_setting_says():
     assert cast_of(base, torch.bfloat16) is None
     base.requires_grad_(False)
     assert cast_of(base, torch.bfloat16) is not None
-    for setting, precision, sharded in (("off", "bf16-autocast", False), ("auto", "fp32", False),
-                                        ("auto", "bf16-autocast", True)):
-        model, _ = load_model_and_tokenizer("tiny-random", device="cpu")
-        policy = Trainer(model, TrainerConfig(**{**BF16_LORA, "precision": precision}, frozen_weight_casts="off"))
-        keep_frozen_casts(policy.model, policy.cfg.model_copy(update={"frozen_weight_casts": setting}), precision,
-                          sharded=sharded)
-        assert not kept_casts(policy.model.parameters()), (setting, precision, sharded)
+    cpu = torch.device("cpu")
+    decided = {(setting, precision, over): TrainerPlan.resolve(
+        TrainerConfig(**{**BF16_LORA, "precision": precision}, frozen_weight_casts=setting), cpu,
+        engine_over_casts=over).frozen_weight_casts
+        for setting in ("off", "auto", "on") for precision in ("bf16-autocast", "fp32") for over in (False, True)}
+    # Under bf16 autocast only; `auto` where the engine runs over them (a CPU), `on` anywhere, `off` never.
+    assert {key for key, keep in decided.items() if keep} == {("auto", "bf16-autocast", True),
+                                                             ("on", "bf16-autocast", False),
+                                                             ("on", "bf16-autocast", True)}
+    model, _ = load_model_and_tokenizer("tiny-random", device="cpu")
+    policy = Trainer(model, TrainerConfig(**BF16_LORA, frozen_weight_casts="off"))
+    assert not kept_casts(policy.model.parameters())
+    keep_frozen_casts(policy.model, policy.cfg, True, sharded=True)  # FSDP2 gathers each weight per use
+    assert not kept_casts(policy.model.parameters())
     with pytest.raises(ConfigError, match="frozen_weight_casts='on' does not apply under torchrun"):
-        keep_frozen_casts(policy.model, policy.cfg.model_copy(update={"frozen_weight_casts": "on"}),
-                          "bf16-autocast", sharded=True)
+        keep_frozen_casts(policy.model, TrainerConfig(**BF16_LORA, frozen_weight_casts="on"), True, sharded=True)
 
 
 def test_the_bf16_engine_runs_over_the_trainers_casts_and_serves_each_synced_adapter():
@@ -178,4 +185,4 @@ def test_the_memory_counts_hold_the_casts_once():
     for deployment in (DeploymentConfig(dtype="bfloat16", lora_weights="merged"), DeploymentConfig(dtype="float32"),
                        DeploymentConfig(kind="vllm", base_url="http://127.0.0.1:1", weight_sync="disk")):
         policy, _, _, _ = startup.setup_trainers(cfg.model_copy(update={"deployment": deployment}), total_steps=2)
-        assert policy.cfg.frozen_weight_casts == "off" and not kept_casts(policy.model.parameters()), deployment
+        assert not policy.plan.frozen_weight_casts and not kept_casts(policy.model.parameters()), deployment

@@ -333,19 +333,21 @@ def test_a_budget_that_fits_lowers_the_prefix_cache_first_then_the_micro_batch(t
         budgeted = cfg.model_copy(update={"memory_budget_gib": budget_bytes / GIB})
         return memory_budget.fit_memory_budget(budgeted, policy, reference), int(budget_bytes / GIB * GIB)
 
-    assert fitted(total)[0] == cfg.deployment, "it fits as configured: nothing changes"
+    as_configured = fitted(total)[0]
+    assert as_configured.prefix_cache_bytes == cfg.deployment.prefix_cache_bytes, "it fits: nothing changes"
+    assert as_configured.outcome == "fits as configured"
     deployment, budget = fitted(total - prefix // 2)
     assert deployment.prefix_cache_bytes == prefix - (total - budget)
-    assert policy.cfg.max_tokens_per_microbatch == 2048
+    assert policy.plan.max_tokens_per_microbatch == 2048
     one_context = 1024 * TOKEN_KV_BYTES  # the least the bound is lowered to: the longest prompt still fits
     assert estimate.prefix_cache_floor == one_context
     working = estimate.working_set(2048, False)
     deployment, budget = fitted(total - prefix + one_context - working // 4)
-    tokens = policy.cfg.max_tokens_per_microbatch
+    tokens = policy.plan.max_tokens_per_microbatch
     assert deployment.prefix_cache_bytes == one_context and MIN_MICROBATCH_TOKENS <= tokens < 2048
     room = budget - (total - prefix + one_context - working)
     assert estimate.working_set(tokens, False) <= room < estimate.working_set(tokens + 1, False), "the most that fit"
-    assert not policy.cfg.gradient_checkpointing, "a smaller micro-batch fits: no recomputation"
+    assert not policy.plan.gradient_checkpointing, "a smaller micro-batch fits: no recomputation"
     assert cfg.trainer.max_tokens_per_microbatch == 2048, "the config stays as the user wrote it"
 
 
@@ -380,8 +382,8 @@ def test_a_budget_the_smallest_micro_batch_misses_turns_on_checkpointing(tmp_pat
     budgeted = cfg.model_copy(update={"memory_budget_gib": budget_bytes / GIB})
     deployment = memory_budget.fit_memory_budget(budgeted, policy, reference)
     assert deployment.prefix_cache_bytes == estimate.prefix_cache_floor
-    assert policy.cfg.gradient_checkpointing
-    tokens, room = policy.cfg.max_tokens_per_microbatch, int(budget_bytes / GIB * GIB) - everything_else
+    assert policy.plan.gradient_checkpointing
+    tokens, room = policy.plan.max_tokens_per_microbatch, int(budget_bytes / GIB * GIB) - everything_else
     assert MIN_MICROBATCH_TOKENS <= tokens < 2048
     assert estimate.working_set(tokens, True) <= room < estimate.working_set(tokens + 1, True), "the most that fit"
     assert layer_forwards_in_one_step(policy) == 2, "the backward recomputes the layer"

@@ -199,7 +199,8 @@ def test_every_caller_passes_rollout_idx_and_end_of_epoch():
 
     seen.clear()
     cfg = rl_loop.Config(completions_per_prompt=2, rollout_timeout_s=5)
-    settled = asyncio.run(rl_loop.sample_row(items[1], draw, cfg, version=0))
+    settled = asyncio.run(rl_loop.sample_row(items[1], draw, cfg, version=0,
+                                                 min_group_size=cfg.effective_min_group_size()))
     assert len(settled.runs_G) == 2 and sorted(seen) == [("r1", 0, False, 1, False), ("r1", 1, False, 1, False)]
 
     seen.clear()

@@ -19,6 +19,7 @@ from training.utils.trainer import (
     MicroBatch,
     Trainer,
     activation_checkpointing,
+    fit_memory,
     lr_multiplier,
     plan_microbatches,
 )
@@ -203,7 +204,7 @@ def test_microbatched_gradient_equals_full_batch_gradient(model, loss_fn):
     assert len(calls) == 1
 
     calls.clear()
-    trainer.cfg.max_tokens_per_microbatch = 32
+    fit_memory(trainer, trainer.plan.fitted(max_tokens_per_microbatch=32, gradient_checkpointing=False))
     micro = trainer.forward_backward(datums, counting_loss)
     micro_grads = grads(model)
     assert len(calls) >= 4

@@ -94,14 +94,12 @@ class Config(RLConfig):
             data = {**data, "max_head_offpolicy_versions": 0}
         return data
 
-    @model_validator(mode="after")
-    def _tis_when_off_policy(self) -> Config:
-        # Samples up to O versions old need the correction: without it the async recipe learned worse than
-        # rl_loop (issue 28). Only when the user wrote nothing for `tis`; `tis=None` written out keeps it off.
-        # Set beside validation, so `tis` stays out of `model_fields_set`: still the default, also on assignment.
-        if "tis" not in self.model_fields_set:
-            object.__setattr__(self, "tis", TISConfig() if self.max_head_offpolicy_versions >= 1 else None)
-        return self
+    def tis_in_effect(self) -> TISConfig | None:
+        """`tis` as written; left unset, token-level TIS when O >= 1. Samples up to O versions old need the
+        correction: without it the async recipe learned worse than rl_loop (issue 28). The run plan records it."""
+        if "tis" in self.model_fields_set:
+            return self.tis
+        return TISConfig() if self.max_head_offpolicy_versions >= 1 else None
 
     @model_validator(mode="after")
     def _check_async(self) -> Config:
@@ -185,7 +183,7 @@ def start_producer(run: TrainingRun, dynamic_filter_fn) -> RolloutProducer:
         breaker=CircuitBreaker(max_consecutive=cfg.max_consecutive_rollout_failures,
                                max_rate=cfg.max_rollout_failure_rate, window=cfg.rollout_failure_window,
                                min_observations=cfg.rollout_failure_window // 2),
-        min_group_size=cfg.effective_min_group_size(),
+        min_group_size=run.plan.min_group_size,
         max_incomplete_group_retries=cfg.max_incomplete_group_retries,
         max_sample_staleness=cfg.max_sample_staleness,
         # A call overrunning its timeout by a minute is not running under asyncio's control any more.

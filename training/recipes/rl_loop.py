@@ -65,7 +65,8 @@ async def train_loop(run: TrainingRun, *, dynamic_filter_fn=None) -> None:
         t_step = time.monotonic()
         # 1. Sample P rows × G draws on the published policy; assemble groups.
         items_P = [item for _ in range(cfg.prompt_groups_per_step) if (item := source.next()) is not None]
-        settled_P = await sample_batch(items_P, draw, cfg, version=run.deployment.version)
+        settled_P = await sample_batch(items_P, draw, cfg, version=run.deployment.version,
+                                       min_group_size=run.plan.min_group_size)
         outcomes = [group_of(settled, cfg.advantage_estimator, dynamic_filter_fn) for settled in settled_P]
         groups = [group for group, _ in outcomes if group is not None]
         counts = Counter(reason for _, reason in outcomes)
@@ -136,19 +137,22 @@ def step_metrics(groups: list[PromptGroup], deployment: Deployment, *, step_time
     }
 
 
-async def sample_batch(items_P: list[RowItem], draw: DrawFn, cfg: RLConfig, *, version: int) -> list[SettledRow]:
+async def sample_batch(items_P: list[RowItem], draw: DrawFn, cfg: RLConfig, *, version: int,
+                       min_group_size: int) -> list[SettledRow]:
     """Phase 1: all rows of the batch concurrently; a fatal error in any draw cancels the rest."""
-    return await gather_or_cancel([sample_row(item, draw, cfg, version=version) for item in items_P])
+    return await gather_or_cancel([sample_row(item, draw, cfg, version=version, min_group_size=min_group_size)
+                                   for item in items_P])
 
 
-async def sample_row(item: RowItem, draw: DrawFn, cfg: RLConfig, *, version: int) -> SettledRow:
-    """G draws of one row, re-run while `settle_attempt` says too few survived and a retry is left."""
+async def sample_row(item: RowItem, draw: DrawFn, cfg: RLConfig, *, version: int, min_group_size: int) -> SettledRow:
+    """G draws of one row, re-run while `settle_attempt` says fewer than `min_group_size` (the run plan's) survived
+    and a retry is left."""
     settled, drops, attempt = None, Counter(), 0
     while settled is None:
         attempt += 1
         results_G = await gather_or_cancel([draw(item, i, version) for i in range(cfg.completions_per_prompt)])
         settled, drops = settle_attempt(item, results_G, attempt=attempt, earlier_drops=drops, submit_version=version,
-                                        min_group_size=cfg.effective_min_group_size(),
+                                        min_group_size=min_group_size,
                                         max_retries=cfg.max_incomplete_group_retries)
     return settled
 

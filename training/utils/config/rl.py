@@ -178,8 +178,8 @@ class RLConfig(StrictModel):
     that compact most. `token_mean` and `sum` weigh every trained token alike, so there the two agree."""
     tis: TISConfig | None = None
     """Train-inference mismatch correction (truncated importance sampling, IcePop); None disables it. Left unset in
-    `async_rl_loop` with `max_head_offpolicy_versions` >= 1 it is `TISConfig()` (token-level TIS, cap 2), which
-    corrects samples from older weights; write `tis=None` to turn that off."""
+    `async_rl_loop` with `max_head_offpolicy_versions` >= 1 the run applies `TISConfig()` (token-level TIS, cap 2;
+    the run plan's `tis`), which corrects samples from older weights; write `tis=None` to turn that off."""
     overlong_penalty: OverlongConfig | None = None
     """DAPO's overlong reward shaping, added to each run's reward before the group advantages, which the trainer
     recomputes (`rollout/*` and `dynamic_filter_fn` see the raw rewards; `train/overlong_penalty_mean` is the mean
@@ -342,6 +342,10 @@ class RLConfig(StrictModel):
             raise ValueError(f"overlong_penalty.buffer={overlong.buffer} exceeds max_length="
                              f"{overlong.max_length or self.sampling.max_tokens} (None means sampling.max_tokens)")
         return self
+
+    def tis_in_effect(self) -> TISConfig | None:
+        """The correction a run applies: `tis` (a recipe may default it, `async_rl_loop.Config`)."""
+        return self.tis
 
     def effective_min_group_size(self) -> int:
         if self.min_group_size is not None:

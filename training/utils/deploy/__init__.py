@@ -45,12 +45,14 @@ Deployment = EmbeddedDeployment | ExternalDeployment | ReplicatedDeployment
 
 
 async def start_deployment(
-    policy_model, tokenizer, cfg: DeploymentConfig, *, model_name: str, sampling_timeout_s: float = 300.0
+    policy_model, tokenizer, cfg: DeploymentConfig, *, model_name: str, sampling_timeout_s: float = 300.0,
+    prefix_cache_bytes: int | None = None,
 ) -> Deployment:
     """Start the embedded deployment on a copy of `policy_model` (a LoRA-wrapped policy: its adapters over the
     policy's own base tensors, or a plain model with the adapters merged in, as `cfg.lora_weights` says), or connect
     to the external server `cfg.kind` names (no copy: the server holds its own weights, and `disk` sync writes the
-    policy's config next to them). Call from a running event loop."""
+    policy's config next to them). `prefix_cache_bytes`: the run plan's bound for the embedded engine's prefix
+    cache (`memory_budget_gib` may lower it), None for `cfg`'s. Call from a running event loop."""
     if cfg.kind == "embedded":
         if shares_lora_base(policy_model, cfg):
             engine_model, adapters = shared_base_copy(policy_model, engine_dtype(cfg, policy_model.device))
@@ -59,11 +61,11 @@ async def start_deployment(
                      if t.data_ptr() not in trainers]
             return await start_embedded_deployment(engine_model, tokenizer, cfg, model_name=model_name,
                                                    sampling_timeout_s=sampling_timeout_s, weight_targets=adapters,
-                                                   owned_tensors=owned)
+                                                   owned_tensors=owned, prefix_cache_bytes=prefix_cache_bytes)
         engine_model = standalone_copy(policy_model)
         return await start_embedded_deployment(
             engine_model.to(engine_dtype(cfg, engine_model.device)), tokenizer, cfg, model_name=model_name,
-            sampling_timeout_s=sampling_timeout_s,
+            sampling_timeout_s=sampling_timeout_s, prefix_cache_bytes=prefix_cache_bytes,
         )
     connect = connect_replicated_deployment if cfg.replica_urls else connect_external_deployment
     return await connect(

@@ -38,6 +38,13 @@ class EmbeddedDeployment(DeploymentHandle):
         """Weight version the engine serves now."""
         return self.engine.version
 
+    @property
+    def decode_steps(self) -> str:
+        """The decode steps the engine runs: `deployment.decode_steps` with `auto` decided and the self-check passed
+        (`graphs.decode_steps_for`), "eager" otherwise."""
+        steps = self.engine._steps
+        return "eager" if steps is None else "graphs" if steps.capture else "static"
+
     def engine_stats(self) -> dict[str, float]:
         """A snapshot of the engine's cumulative counters (`Engine.stats`), as floats."""
         return {key: float(value) for key, value in self.engine.stats.copy().items()}
@@ -64,6 +71,7 @@ async def start_embedded_deployment(
     weight_dir: str | Path | None = None,
     weight_targets: Mapping[str, torch.Tensor] | None = None,
     owned_tensors: Iterable[torch.Tensor] | None = None,
+    prefix_cache_bytes: int | None = None,
 ) -> EmbeddedDeployment:
     """Start engine + server on `cfg.host:cfg.port` and return handles; call from a running event loop.
 
@@ -73,10 +81,10 @@ async def start_embedded_deployment(
     directory, `weight_dir.py`, removed at `close`). The server requires `cfg.api_key`, or a secret generated
     for this deployment when it is None; the returned handle's `api_key` is the one in force. `weight_targets`:
     the only tensors of `model` a sync writes, and `owned_tensors` those the engine holds itself (`Engine`), for a
-    LoRA model over the trainer's base.
+    LoRA model over the trainer's base. `prefix_cache_bytes`: the run plan's bound, where not `cfg`'s.
     """
     engine = Engine(model, tokenizer, cfg, default_timeout_s=sampling_timeout_s, weight_targets=weight_targets,
-                    owned_tensors=owned_tensors)
+                    owned_tensors=owned_tensors, prefix_cache_bytes=prefix_cache_bytes)
     weight_dir, own_dir = weight_dir_for(cfg.weight_sync, weight_dir if weight_dir is not None else cfg.weight_dir)
     server = InferenceServer(engine, cfg, model_name, weight_dir=weight_dir)  # loads weights from there only
     try:

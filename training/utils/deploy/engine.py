@@ -80,7 +80,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, cfg: DeploymentConfig, *, default_timeout_s: float = 300.0,
                  weight_targets: Mapping[str, torch.Tensor] | None = None,
-                 owned_tensors: Iterable[torch.Tensor] | None = None):
+                 owned_tensors: Iterable[torch.Tensor] | None = None, prefix_cache_bytes: int | None = None):
         self.model = model.eval()
         self.model.requires_grad_(False)
         use_cpu_attention(self.model, DECODE_NAME)
@@ -106,9 +106,9 @@ class Engine:
         self._rows: list[SequenceState] = []
         self._params_B: SamplingParams_B | None = None
         self._split_cost_tokens = PREFILL_SPLIT_COST_TOKENS if self.model.device.type == "cpu" else None
-        max_tokens, max_bytes = prefix_cache_bounds(cfg.prefix_cache_tokens, cfg.prefix_cache_bytes,
-                                                    self.max_context_tokens,
-                                                    kv_bytes_per_token(model.config, self.model.dtype))
+        max_tokens, max_bytes = prefix_cache_bounds(
+            cfg.prefix_cache_tokens, cfg.prefix_cache_bytes if prefix_cache_bytes is None else prefix_cache_bytes,
+            self.max_context_tokens, kv_bytes_per_token(model.config, self.model.dtype))
         self._prefix_cache = PrefixCache(max_tokens, max_bytes) if max_tokens and max_bytes else None
         owned = itertools.chain(self.model.parameters(), self.model.buffers()) if owned_tensors is None else \
             owned_tensors

@@ -211,6 +211,18 @@ def grpo_loss(
     return TokenLoss(loss, ratio, clipped, dual)
 
 
+CLIP_HIGH_DEFAULTS = {"dapo": 0.28}
+"""ε_high when `eps_clip_high` is None, for a loss that clips higher (DAPO); the other clipped losses use ε_low."""
+
+
+def eps_clip_high_in_effect(name: str, settings: Mapping[str, object]) -> float | None:
+    """The ε_high loss `name` clips with under `settings`: as set, else its default; None for a loss without a clip."""
+    if "eps_clip_high" not in POLICY_LOSSES[name].settings:
+        return None
+    high = settings.get("eps_clip_high")
+    return float(CLIP_HIGH_DEFAULTS.get(name, settings.get("eps_clip", EPS_CLIP)) if high is None else high)
+
+
 @register_policy_loss("dapo", check=_check_clip)
 def dapo_loss(
     inp: LossInputs, *, eps_clip: float = EPS_CLIP, eps_clip_high: float | None = None,
@@ -221,8 +233,8 @@ def dapo_loss(
     loss = max(−r·A, −clip(r, 1−ε_low, 1+ε_high)·A)
     ε_low = eps_clip (0.2), ε_high = eps_clip_high (0.28 when None); optional dual clip as in `grpo`.
     """
-    return grpo_loss(inp, eps_clip=eps_clip, eps_clip_high=0.28 if eps_clip_high is None else eps_clip_high,
-                     dual_clip_c=dual_clip_c)
+    high = CLIP_HIGH_DEFAULTS["dapo"] if eps_clip_high is None else eps_clip_high
+    return grpo_loss(inp, eps_clip=eps_clip, eps_clip_high=high, dual_clip_c=dual_clip_c)
 
 
 def _check_is_ratio_cap(*, is_ratio_cap: float | None) -> None:

@@ -32,15 +32,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from training.utils.config.rl import DeploymentConfig, RLConfig
+from training.utils.config.rl import RLConfig
 from training.utils.deploy import engine_dtype, shares_lora_base
 from training.utils.deploy.prefix_cache import prefix_cache_bounds
 from training.utils.errors import ConfigError
 from training.utils.models.frozen_casts import cast_of, kept_casts
 from training.utils.runtime import distributed
 from training.utils.runtime.memory import GIB, current_rss_bytes, kv_bytes_per_token, peak_rss_bytes, storage_bytes
-from training.utils.trainer import Reference, Trainer, enable_activation_checkpointing
+from training.utils.trainer import Reference, Trainer
 from training.utils.trainer.logprob_head import projection_bytes
+from training.utils.trainer.plan import fit_memory
 
 log = logging.getLogger("training")
 
@@ -147,8 +148,8 @@ def estimate_memory(cfg: RLConfig, policy: Trainer, reference: Reference | None)
                                                     cfg.deployment.prefix_cache_bytes, context, token_bytes)
         prefix_cache = min(max_tokens * token_bytes, max_bytes)
         prefix_cache_floor = min(prefix_cache, context * token_bytes)
-    return MemoryEstimate(fixed, prefix_cache, prefix_cache_floor, policy.cfg.max_tokens_per_microbatch,
-                          policy.cfg.gradient_checkpointing, working_set=_working_set(cfg, policy, text.vocab_size,
+    return MemoryEstimate(fixed, prefix_cache, prefix_cache_floor, policy.plan.max_tokens_per_microbatch,
+                          policy.plan.gradient_checkpointing, working_set=_working_set(cfg, policy, text.vocab_size,
                                                                                        context))
 
 
@@ -167,33 +168,45 @@ def _working_set(cfg: RLConfig, policy: Trainer, vocab_size: int, context: int) 
     return working_set
 
 
-def fit_memory_budget(cfg: RLConfig, policy: Trainer, reference: Reference | None) -> DeploymentConfig:
-    """The deployment config to start under `memory_budget_gib` (the prefix cache's bound lowered where it must be),
-    with the trainers' micro-batch budget lowered and the policy's activations checkpointed where they must be;
-    `cfg.deployment` itself without a budget.
+@dataclass(frozen=True)
+class MemoryFit:
+    """The memory budget's outcome, part of the run plan: the deployment's prefix cache bound and the trainers'
+    micro-batch budget and checkpointing it decided (the settings as written where they fit, or without a budget)."""
+
+    prefix_cache_bytes: int | None
+    """The prefix cache's byte bound the deployment starts with (None: `deployment.prefix_cache_bytes`' default)."""
+    max_tokens_per_microbatch: int
+    gradient_checkpointing: bool
+    outcome: str
+    """"no budget", "fits as configured" or what was lowered to fit."""
+
+
+def fit_memory_budget(cfg: RLConfig, policy: Trainer, reference: Reference | None) -> MemoryFit:
+    """What fits `memory_budget_gib`: the prefix cache's bound lowered where it must be, the trainers' micro-batch
+    budget lowered and the policy's activations checkpointed where they must be (applied to their plans,
+    `trainer.plan.fit_memory`); the settings as written without a budget.
     A `ConfigError` when the settings cannot fit. Under torchrun rank 0 decides (it holds the engine) and every rank
     applies its decision or raises its error."""
+    plan = policy.plan
     if cfg.memory_budget_gib is None:
-        return cfg.deployment
+        return MemoryFit(cfg.deployment.prefix_cache_bytes, plan.max_tokens_per_microbatch,
+                         plan.gradient_checkpointing, "no budget")
     decision = distributed.broadcast_object(_decide(cfg, policy, reference) if distributed.is_main() else None)
     if isinstance(decision, str):
         raise ConfigError(decision)
-    prefix_cache, microbatch_tokens, checkpointing = decision
+    prefix_cache, microbatch_tokens, checkpointing, outcome = decision
     for trainer in (policy, reference):
-        if isinstance(trainer, Trainer) and trainer.cfg.max_tokens_per_microbatch != microbatch_tokens:
-            # The trainers read their micro-batch budget at each call; the config the user wrote stays as written.
-            trainer.cfg = trainer.cfg.model_copy(update={"max_tokens_per_microbatch": microbatch_tokens})
-    if checkpointing and not policy.cfg.gradient_checkpointing:  # the reference computes without grad: no activations
-        enable_activation_checkpointing(policy.model, policy.cfg.recompute_attention)
-        policy.cfg = policy.cfg.model_copy(update={"gradient_checkpointing": True})
-    if prefix_cache is None:
-        return cfg.deployment
-    return cfg.deployment.model_copy(update={"prefix_cache_bytes": prefix_cache})
+        if isinstance(trainer, Trainer):  # the reference computes without grad: it checkpoints no activations
+            fit_memory(trainer, trainer.plan.fitted(
+                max_tokens_per_microbatch=microbatch_tokens,
+                gradient_checkpointing=checkpointing if trainer is policy else trainer.plan.gradient_checkpointing))
+    return MemoryFit(cfg.deployment.prefix_cache_bytes if prefix_cache is None else prefix_cache, microbatch_tokens,
+                     checkpointing, outcome)
 
 
-def _decide(cfg: RLConfig, policy: Trainer, reference: Reference | None) -> tuple[int | None, int, bool] | str:
-    """(the prefix cache's byte bound, None to keep it; the micro-batch tokens; checkpointing), or the refusal's
-    message."""
+def _decide(cfg: RLConfig, policy: Trainer, reference: Reference | None) -> tuple[int | None, int, bool, str] | str:
+    """(the prefix cache's byte bound, None to keep it; the micro-batch tokens; checkpointing; what changed), or the
+    refusal's message."""
     estimate = estimate_memory(cfg, policy, reference)
     budget = int(cfg.memory_budget_gib * GIB)
     needed = sum(estimate.parts().values())
@@ -223,7 +236,8 @@ def _decide(cfg: RLConfig, policy: Trainer, reference: Reference | None) -> tupl
     log.info("memory_budget_gib=%g: the run needs about %.2f GiB as configured (%s)%s", cfg.memory_budget_gib,
              needed / GIB, _biggest(estimate.parts()),
              f"; to fit, {', '.join(changes)} (about {planned / GIB:.2f} GiB)" if changes else "")
-    return (prefix_cache if prefix_cache != estimate.prefix_cache else None), microbatch_tokens, checkpointing
+    outcome = f"lowered to fit: {', '.join(changes)}" if changes else "fits as configured"
+    return (prefix_cache if prefix_cache != estimate.prefix_cache else None), microbatch_tokens, checkpointing, outcome
 
 
 def _biggest(parts: dict[str, int], count: int = 4) -> str:

@@ -14,20 +14,23 @@ from typing import Any
 
 import numpy as np
 
-from training.utils.config.rl import DeploymentConfig, RLConfig
-from training.utils.deploy import Deployment, engine_runs_over_casts, start_deployment
+from training.utils.config.rl import RLConfig
+from training.utils.deploy import Deployment, start_deployment
 from training.utils.errors import ConfigError, DeploymentError
 from training.utils.models.load import default_device, load_model_and_tokenizer
 from training.utils.models.lora import load_adapter
 from training.utils.rl.agent import AgentShim
 from training.utils.rl.dataset import as_rows, read_rows_file
+from training.utils.rl.memory_budget import MemoryFit
 from training.utils.rl.resume import check_resumable, model_identity
 from training.utils.rl.rollout.types import RolloutSetup, SequenceLimit, sequence_limit
+from training.utils.rl.run_plan import optimizer_steps as planned_optimizer_steps, trainer_plan
 from training.utils.run_files.checkpoint import load_latest_verified, load_weights
 from training.utils.runtime import openmp
 from training.utils.sandbox.namespaces import AgentSandbox, choose_sandbox, protect_trainer
 from training.utils.trainer import Reference, Trainer, weight_dtype
 from training.utils.trainer.batching import Datum
+from training.utils.trainer.precision import weights_dtype
 
 log = logging.getLogger("training")
 
@@ -50,7 +53,7 @@ def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference 
     `total_steps` is the run's planned batches; a `trainer.warmup_steps` as long as its optimizer steps is refused
     before anything loads."""
     trainer_cfg = cfg.trainer
-    optimizer_steps = total_steps * cfg.ppo_epochs * cfg.ppo_minibatches
+    optimizer_steps = planned_optimizer_steps(cfg, total_steps)
     if trainer_cfg.warmup_steps >= optimizer_steps:
         batches = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{total_steps} batches of epochs={cfg.epochs}"
         raise ConfigError(
@@ -61,29 +64,26 @@ def setup_trainers(cfg: RLConfig, total_steps: int) -> tuple[Trainer, Reference 
     notice = openmp.import_time_notice() if device.type == "cpu" else None
     if notice:
         log.warning(notice)
-    model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weight_dtype(cfg.trainer, device))
+    plan = trainer_plan(cfg, device, total_steps)  # the run plan's slice: precision, frozen casts, schedule
+    model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weights_dtype(plan.precision))
     identity = model_identity(cfg.model, model)  # before LoRA wraps and FSDP shards it
-    if trainer_cfg.total_steps is None:
-        trainer_cfg = trainer_cfg.model_copy(update={"total_steps": optimizer_steps})
-    if trainer_cfg.frozen_weight_casts == "auto" and not engine_runs_over_casts(cfg.deployment, device):
-        trainer_cfg = trainer_cfg.model_copy(update={"frozen_weight_casts": "off"})  # they would only cost memory
     lora = trainer_cfg.lora_rank > 0
     reference = None
     if cfg.kl_beta > 0 and not lora:
-        reference = Trainer(copy.deepcopy(model), trainer_cfg, trainable=False)
-    policy = Trainer(model, trainer_cfg)
+        reference = Trainer(copy.deepcopy(model), trainer_cfg, trainable=False, plan=plan)
+    policy = Trainer(model, trainer_cfg, plan=plan)
     if cfg.kl_beta > 0 and lora:
         reference = policy.adapter_disabled_reference()
     return policy, reference, tokenizer, identity
 
 
 
-async def deploy_policy(cfg: RLConfig, deployment_cfg: DeploymentConfig, worker, policy: Trainer,
-                        tokenizer) -> Deployment:
-    """`deployment_cfg` (`cfg.deployment`, fitted to `memory_budget_gib` by `memory_budget.fit_memory_budget`)
-    started on (a copy of) the policy's weights, exported on the trainer's `worker`."""
-    return await start_deployment(await worker.run(policy.model_for_inference), tokenizer, deployment_cfg,
-                                  model_name=cfg.model, sampling_timeout_s=cfg.sampling.timeout_s)
+async def deploy_policy(cfg: RLConfig, fit: MemoryFit, worker, policy: Trainer, tokenizer) -> Deployment:
+    """`cfg.deployment` started on (a copy of) the policy's weights, exported on the trainer's `worker`, with the
+    prefix cache bound `memory_budget_gib` decided (`memory_budget.fit_memory_budget`)."""
+    return await start_deployment(await worker.run(policy.model_for_inference), tokenizer, cfg.deployment,
+                                  model_name=cfg.model, sampling_timeout_s=cfg.sampling.timeout_s,
+                                  prefix_cache_bytes=fit.prefix_cache_bytes)
 
 
 SERVED_PROBE_TOKENS = 16
@@ -142,8 +142,16 @@ def rollout_sample_kwargs(cfg: RLConfig) -> dict[str, Any]:
                 stop=list(s.stop), timeout=s.timeout_s)
 
 
-async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment) -> AgentShim | None:
-    """The agent shim sampling from `deployment`, started; None unless `cfg.agent_shim.enabled`.
+def served_context_tokens(cfg: RLConfig, deployment: Deployment) -> int | None:
+    """The context a rollout's prompt and completion share: `deployment.max_context_tokens`, else what the
+    deployment serves (None when it does not say)."""
+    return cfg.deployment.max_context_tokens or deployment.context_tokens
+
+
+async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment,
+                           context_tokens: int | None = None) -> AgentShim | None:
+    """The agent shim sampling from `deployment`, started; None unless `cfg.agent_shim.enabled`. `context_tokens`:
+    the run plan's shim context, else the deployment's (`served_context_tokens`).
 
     Start it after the deployment and close it before: it samples from the deployment.
     """
@@ -152,7 +160,7 @@ async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment) -> 
     # The shim checks `agent_shim.max_context_tokens` against the context given here, or asks the deployment.
     shim = AgentShim(deployment.sampler, tokenizer, cfg.agent_shim, rollout_sample_kwargs(cfg),
                      model_name=deployment.model_name,
-                     context_tokens=cfg.deployment.max_context_tokens or deployment.context_tokens)
+                     context_tokens=context_tokens or served_context_tokens(cfg, deployment))
     await shim.start()
     return shim
 

@@ -90,7 +90,7 @@ def make_loss_fn(cfg: RLConfig, kl_beta: float, *, normalised: bool = True, num_
         # With the KL in the reward it already shaped the advantages; the loss has no KL term (ref_kl is still
         # measured).
         kl_beta=kl_beta if cfg.kl_placement == "loss" else 0.0,
-        kl_estimator=cfg.kl_estimator, tis=cfg.tis, entropy_coef=cfg.entropy_coef,
+        kl_estimator=cfg.kl_estimator, tis=cfg.tis_in_effect(), entropy_coef=cfg.entropy_coef,
     )
 
     def loss_fn(logprobs: torch.Tensor, mb: MicroBatch):

@@ -58,7 +58,8 @@ from training.utils.rl.memory_budget import fit_memory_budget
 from training.utils.rl.memory_telemetry import MemoryTelemetry, memory_summary
 from training.utils.rl.resume import run_settings
 from training.utils.rl.rollout.invoke import DrawFn, bind_draws
-from training.utils.rl.rollout.types import PromptGroup, RolloutSetup
+from training.utils.rl.rollout.types import PromptGroup, RolloutSetup, SequenceLimit
+from training.utils.rl.run_plan import RunPlan, report_plan
 from training.utils.rl.run_process import run_process_state
 from training.utils.rl.startup import (
     deploy_policy,
@@ -115,6 +116,9 @@ class TrainingRun:
     evaluation_fn: Callable | None
     utilisation: Utilisation
     """Each step's `perf/*` utilisation; made (the machine's peaks measured) before the first rollout."""
+    plan: RunPlan
+    """What the run runs with, decided at start-up (`run_plan.py`): the ledger's first record, saved with each
+    checkpoint."""
     health: RunHealth = field(default_factory=RunHealth)
     engine_counters: EngineCounters = field(default_factory=EngineCounters)
     memory: MemoryTelemetry = field(default_factory=MemoryTelemetry)
@@ -139,9 +143,11 @@ class TrainingRun:
 
     def draws(self) -> DrawFn:
         """The user's rollout function bound to each draw's context (`rollout.invoke.bind_draws`)."""
+        plan = self.plan
+        limit = None if plan.sequence_tokens is None else SequenceLimit(plan.sequence_tokens, plan.sequence_limit)
         return bind_draws(self.rollout_fn, rows_per_epoch=len(self.rows),
                           vocab_size=self.policy.model.config.vocab_size, timeout_s=self.cfg.rollout_timeout_s,
-                          limit=trainable_sequence_limit(self.cfg, self.policy, self.deployment))
+                          limit=limit)
 
     def row_source(self) -> DurableRowSource:
         """The rows in cursor order from where the checkpoint left off: `epochs` passes, or unbounded with
@@ -175,7 +181,7 @@ class TrainingRun:
         metrics |= await self.deployment.step_metrics()
         metrics |= self.memory.step_metrics(self.policy, self.reference, self.deployment)
         metrics |= self.utilisation.step_metrics(metrics, self.policy, self.reference, self.deployment)
-        if self.cfg.eval_interval and step % self.cfg.eval_interval == 0:
+        if self.plan.eval_interval and step % self.plan.eval_interval == 0:
             metrics |= await evaluate(self.evaluation_fn, self.setup, step, None, self.cfg, self.rollout_fn)
             self.evaluated_step = step
         self.metrics = metrics
@@ -203,7 +209,8 @@ class TrainingRun:
         """Save on the trainer thread: the weights, optimizer and RNG, with the step, the settings, the loop's
         resume state and β."""
         start = time.monotonic()
-        progress = {"step": self.step, "settings": self.settings, **self.resume_state, **self.kl.state_dict()}
+        progress = {"step": self.step, "settings": self.settings, "plan": self.plan.to_dict(), **self.resume_state,
+                    **self.kl.state_dict()}
         try:
             await self.worker.run(save_checkpoint, self.cfg.log_path, self.step, policy=self.policy,
                                   progress=progress, np_rng=self.rng, keep=self.cfg.keep_checkpoints)
@@ -298,8 +305,8 @@ def recipe_main(loop: Loop, config_class: type[RLConfig], *,
                                   "rollout.py's factory); only rl_loop has a rollout of its own")
             rollout_fn_factory, default_filter = default_rollout()
             dynamic_filter_fn = dynamic_filter_fn or default_filter
-        if evaluation_interval is not None:
-            cfg = with_evaluation_interval(cfg, evaluation_interval)
+        eval_interval = cfg.eval_interval if evaluation_interval is None else \
+            checked_evaluation_interval(cfg, evaluation_interval)
         rows = read_rows(cfg, rows)
         if cfg.output_dir:  # checked before training: a refused export would lose the run's weights
             check_replaceable(cfg.output_dir)
@@ -308,20 +315,21 @@ def recipe_main(loop: Loop, config_class: type[RLConfig], *,
                 run_process_state() as stop, trainer_protected():  # no process of this user reads its memory
             return run_abandoning_stragglers(stop.guard(run_recipe(
                 loop, cfg, rows, rollout_fn_factory, evaluation_fn=evaluation_fn, rollout_extras=rollout_extras,
-                dynamic_filter_fn=dynamic_filter_fn)))
+                eval_interval=eval_interval, dynamic_filter_fn=dynamic_filter_fn)))
 
     main.__module__, main.__qualname__ = loop.__module__, "main"
     return main
 
 
-def with_evaluation_interval(cfg: RLConfig, interval: int) -> RLConfig:
-    """`cfg` with `eval_interval` set from `main(..., evaluation_interval=)`, the cookbook's spelling of it."""
+def checked_evaluation_interval(cfg: RLConfig, interval: int) -> int:
+    """`main(..., evaluation_interval=)`, the cookbook's spelling of `cfg.eval_interval`, checked: the run plan's
+    `eval_interval`."""
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ConfigError(f"evaluation_interval={interval!r} must be an int >= 1 (it is cfg.eval_interval)")
     if "eval_interval" in cfg.model_fields_set and cfg.eval_interval != interval:
         raise ConfigError(f"evaluation_interval={interval} and cfg.eval_interval={cfg.eval_interval} are one setting; "
                           "give one of them")
-    return cfg.model_copy(update={"eval_interval": interval})
+    return interval
 
 
 def run_abandoning_stragglers(main: Coroutine[Any, Any, T], *, grace_s: float | None = None) -> T:
@@ -349,14 +357,15 @@ def run_abandoning_stragglers(main: Coroutine[Any, Any, T], *, grace_s: float | 
 
 
 async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], rollout_fn_factory, *,
-                     evaluation_fn, rollout_extras, **loop_kwargs) -> dict[str, Any]:
+                     evaluation_fn, rollout_extras, eval_interval: int, **loop_kwargs) -> dict[str, Any]:
     sandbox = choose_sandbox(cfg.agent_sandbox, console=cfg.progress)  # `required` without one stops here
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     total_steps = cfg.planned_steps(len(rows))
     policy, reference, tokenizer, model = setup_trainers(cfg, total_steps)
-    deployment_cfg = fit_memory_budget(cfg, policy, reference)  # a budget that cannot fit stops before any checkpoint
-    settings = run_settings(cfg, rows, recipe=loop.__module__.rsplit(".", 1)[-1], model=model)
+    fit = fit_memory_budget(cfg, policy, reference)  # a budget that cannot fit stops before any checkpoint
+    recipe = loop.__module__.rsplit(".", 1)[-1]
+    settings = run_settings(cfg, rows, recipe=recipe, model=model)
     progress = restore(cfg, policy, rng, settings)  # refuses a checkpoint of other settings before loading it
     kl = KLCoefficient.for_run(cfg, progress)
     warm_start(cfg, policy, progress)  # a fresh run only: a resumed one keeps its checkpoint's weights
@@ -365,9 +374,18 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
     if not distributed.is_main():
         worker.follow()
         return distributed.broadcast_object(control=True)  # rank 0's summary
-    deployment = await deploy_policy(cfg, deployment_cfg, worker, policy, tokenizer)
+    deployment = await deploy_policy(cfg, fit, worker, policy, tokenizer)
+    try:  # a shim context past the deployment's is refused here, before anything else starts
+        plan = RunPlan.build(cfg, recipe=recipe, policy=policy, fit=fit, total_steps=total_steps,
+                             eval_interval=eval_interval, deployment=deployment,
+                             limit=trainable_sequence_limit(cfg, policy, deployment))
+    except BaseException:
+        await deployment.close()
+        raise
     logger = RunLogger(cfg.log_path, total_steps=total_steps, progress=cfg.progress, wandb_project=cfg.wandb_project,
                        config=cfg.model_dump(), new_run=not progress)
+    logger.log_record({"plan": plan.to_dict()})  # the ledger's first record (a resumed run's, its first after)
+    report_plan(plan, progress, console=cfg.progress)
     shim = run = None
     finished = stopped = False
     watchdog = LoopWatchdog(cfg.event_loop_stall_s).start()  # from here on, a blocked event loop stops the run
@@ -378,13 +396,13 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         # may hold others (an external server keeps whatever an earlier run left in it).
         if start_step or deployment.syncs_at_start:
             await sync_deployment(deployment, worker, policy, start_step)
-        shim = await start_agent_shim(cfg, tokenizer, deployment)  # None unless cfg.agent_shim.enabled
+        shim = await start_agent_shim(cfg, tokenizer, deployment, plan.shim_context_tokens)  # None unless enabled
         setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim, sandbox=sandbox)
         run = TrainingRun(cfg=cfg, rows=rows, rng=rng, total_steps=total_steps, progress=progress, settings=settings,
                           policy=policy, reference=reference, kl=kl, tokenizer=tokenizer, worker=worker,
                           deployment=deployment, logger=logger, setup=setup, rollout_fn=rollout_fn_factory(setup),
-                          evaluation_fn=evaluation_fn, utilisation=Utilisation.for_run(policy, deployment_cfg),
-                          step=start_step, evaluated_step=start_step, saved_step=start_step)
+                          evaluation_fn=evaluation_fn, utilisation=Utilisation.for_run(policy, cfg.deployment),
+                          plan=plan, step=start_step, evaluated_step=start_step, saved_step=start_step)
         run.metrics = await evaluate(evaluation_fn, setup, start_step, logger, cfg, run.rollout_fn)
         await loop(run, **loop_kwargs)
         await run.finish()

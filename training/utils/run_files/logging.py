@@ -81,6 +81,10 @@ class RunLogger:
                 log.warning("W&B logging failed (%s); continuing without W&B", exc)
                 self._wandb = None
 
+    def log_record(self, record: dict[str, Any]) -> None:
+        """A record of its own, neither a step's nor a stream's (the run plan: `{"plan": {...}}`), as it is."""
+        self._ledger.write(json.dumps(record) + "\n")
+
     def log_stream(self, axis: str, metrics: dict[str, Any]) -> None:
         """A record on its own axis instead of the step (e.g. `producer/event` for producer gauges).
 

@@ -38,7 +38,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from training.utils.config.rl import TrainerConfig
-from training.utils.errors import ConfigError
 from training.utils.models.cpu_attention import NAME as CPU_ATTENTION, PIECES, use_cpu_attention
 from training.utils.models.flops import decoder_shape, forward_flops, shared_prefix_pairs
 from training.utils.models.lora import (
@@ -66,20 +65,15 @@ from training.utils.trainer.batching import (
     plan_ranks,
 )
 from training.utils.trainer.compiled import CompiledLayers
-from training.utils.trainer.logprob_head import token_logprobs
-from training.utils.trainer.optim import guarded_step, lr_multiplier, max_abs, param_groups
-from training.utils.trainer.precision import autocast, keep_frozen_casts, resolve_precision, weight_dtype
+from training.utils.trainer.logprob_head import scatter_to_grid, token_logprobs
+from training.utils.trainer.optim import guarded_step, lr_schedule, max_abs, param_groups
+from training.utils.trainer.plan import TrainerPlan
+from training.utils.trainer.precision import autocast, keep_frozen_casts, weights_dtype
 from training.utils.trainer.reference import AdapterDisabledReference
 from training.utils.trainer.sharding import MetricTotals, ShardedRoot, gather_to_main, unsharded_copy
 from training.utils.trainer.shared_prefix import PrefixBundle, PrefixSharing, prefix_bundles, shared_prefix_mask
 
 logger = logging.getLogger(__name__)
-
-
-def _scatter(values_N: Tensor, positions_N: Tensor, shape: torch.Size) -> Tensor:
-    """Place per-position values on a zero (b, T) grid; differentiable."""
-    flat = values_N.new_zeros(shape.numel()).index_copy(0, positions_N, values_N)
-    return flat.view(shape)
 
 
 class Trainer:
@@ -102,7 +96,8 @@ class Trainer:
     same order (the recipes' `TrainerWorker` sees to it).
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, trainable: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, trainable: bool = True,
+                 plan: TrainerPlan | None = None) -> None:
         self.model = model
         self.cfg = cfg
         self.trainable = trainable
@@ -120,7 +115,8 @@ class Trainer:
         self.optimizer: torch.optim.AdamW | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.lora = trainable and cfg.lora_rank > 0
-        self.precision = resolve_precision(cfg, self.device)
+        self.plan = plan or TrainerPlan.resolve(cfg, self.device)  # the run plan's slice, or its own outside one
+        self.precision = self.plan.precision
         self._sharded_root: ShardedRoot | None = None
         self.compiled_layers: CompiledLayers | None = None
         use_cpu_attention(model)  # decode and short rows as batched matmuls on a CPU (cpu_attention.py)
@@ -128,7 +124,7 @@ class Trainer:
         self.attention_by_pieces = True
         """Shared-prefix rows' attention a piece at a time (`prefix_attention`) where the model runs `cpu_sdpa` and
         its layers are not compiled; False: the row's dense mask (benchmarks/cpu_attention.py compares the two)."""
-        dtype = weight_dtype(cfg, self.device)
+        dtype = weights_dtype(self.precision)
         if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
             # Load in this dtype to avoid the conversion (from bf16 it cannot restore lost precision).
             model.to(dtype)
@@ -139,18 +135,16 @@ class Trainer:
             if cfg.compile_layers:
                 self.compiled_layers = CompiledLayers(model)
             return
-        if cfg.lr_schedule != "constant" and cfg.total_steps is None:
-            raise ConfigError(f"lr_schedule={cfg.lr_schedule!r} decays over total_steps; set total_steps")
         if self.lora:
             # Freezes the base; the optimizer below then sees only the adapters (requires_grad).
             self.model = model = wrap_with_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                                 dropout=cfg.lora_dropout, target_modules=cfg.lora_target_modules)
             self.adapter_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        if cfg.gradient_checkpointing:
+        if self.plan.gradient_checkpointing:
             enable_activation_checkpointing(model, cfg.recompute_attention)
         self._shard_if_distributed()
         if self.lora:
-            keep_frozen_casts(model, cfg, self.precision, sharded=self._sharded_root is not None)
+            keep_frozen_casts(model, cfg, self.plan.frozen_weight_casts, sharded=self._sharded_root is not None)
         if cfg.compile_layers:
             self.compiled_layers = CompiledLayers(model)
         self.optimizer = torch.optim.AdamW(
@@ -160,7 +154,7 @@ class Trainer:
             # On CPU too: the per-tensor loop is slow there as well (benchmarks/optimizer_step.py measures both).
             fused=self.device.type in ("cuda", "cpu"),
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_multiplier(step, cfg))
+        self.scheduler = lr_schedule(self.optimizer, cfg, self.plan.total_steps)
 
     def _shard_if_distributed(self) -> None:
         """Under torchrun, FSDP2 over this trainer's model; the optimizer is built afterwards, on the shards."""
@@ -179,7 +173,7 @@ class Trainer:
         and pads its plan with `None` fillers to the longest plan of any rank, which it computes
         locally: FSDP2 needs every rank to run as many forwards and backwards.
         """
-        budget, packed, sharing = self.cfg.max_tokens_per_microbatch, self.cfg.pack_sequences, self.prefix_sharing
+        budget, packed, sharing = self.plan.max_tokens_per_microbatch, self.cfg.pack_sequences, self.prefix_sharing
         bundles = prefix_bundles([d.input_ids for d in datums], budget, sharing.pair_cost) if sharing else \
             [PrefixBundle.single(index, len(datum)) for index, datum in enumerate(datums)]
         sharded = self._sharded_root is not None
@@ -255,8 +249,8 @@ class Trainer:
                 lm_head, hidden_NH, targets_N, temperature,
                 chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy,
             )
-        logprobs_BT = _scatter(logprobs_N, batch.positions, batch.shape)
-        entropy_BT = _scatter(entropy_N, batch.positions, batch.shape) if with_entropy else None
+        logprobs_BT = scatter_to_grid(logprobs_N, batch.positions, batch.shape)
+        entropy_BT = scatter_to_grid(entropy_N, batch.positions, batch.shape) if with_entropy else None
         return logprobs_BT, entropy_BT
 
     @cpu_share.trainer_compute

@@ -226,3 +226,9 @@ def _matmul_operands(lm_head: torch.nn.Linear, hidden_NH: Tensor) -> tuple[Tenso
 def _cat(chunks: list[Tensor], like: Tensor) -> Tensor:
     """Concatenate chunk results; an empty float32 tensor when there were no positions."""
     return torch.cat(chunks) if chunks else like.new_zeros(0, dtype=torch.float32)
+
+
+def scatter_to_grid(values_N: Tensor, positions_N: Tensor, shape: torch.Size) -> Tensor:
+    """Place per-position values on a zero (b, T) grid; differentiable."""
+    flat = values_N.new_zeros(shape.numel()).index_copy(0, positions_N, values_N)
+    return flat.view(shape)

@@ -11,27 +11,36 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from training.utils.config.rl import TrainerConfig
-from training.utils.errors import one_line
+from training.utils.errors import ConfigError, one_line
 
 
-def lr_multiplier(step: int, cfg: TrainerConfig) -> float:
+def lr_multiplier(step: int, cfg: TrainerConfig, total_steps: int | None = None) -> float:
     """Fraction of the peak learning rate used by the optimizer step that follows `step` applied steps.
 
     Warmup: (step + 1) / warmup_steps, so the first step already moves the weights. After it,
     `progress = (step − warmup_steps) / (total_steps − warmup_steps)` (capped at 1) and
     linear: min + (1 − min)·(1 − progress); cosine: min + (1 − min)·½(1 + cos(π·progress)).
+    `total_steps`: the trainer's plan's (`TrainerPlan.total_steps`), else `cfg.total_steps`.
     """
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return 1.0
-    decay_steps = max(1, cfg.total_steps - cfg.warmup_steps)
+    decay_steps = max(1, (cfg.total_steps if total_steps is None else total_steps) - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     if cfg.lr_schedule == "linear":
         shape = 1.0 - progress
     else:
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainerConfig,
+                total_steps: int | None) -> torch.optim.lr_scheduler.LambdaLR:
+    """The optimizer's schedule (`lr_multiplier`) over `total_steps` optimizer steps, the trainer's plan's."""
+    if cfg.lr_schedule != "constant" and total_steps is None:
+        raise ConfigError(f"lr_schedule={cfg.lr_schedule!r} decays over total_steps; set total_steps")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -24,7 +24,12 @@ def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
 
 def weight_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
     """The dtype the trainer keeps its weights (and AdamW state) in: float32 unless `precision` is bf16."""
-    return torch.bfloat16 if resolve_precision(cfg, device) == "bf16" else torch.float32
+    return weights_dtype(resolve_precision(cfg, device))
+
+
+def weights_dtype(precision: str) -> torch.dtype:
+    """The weights' dtype under a resolved `precision`."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -39,17 +44,15 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-def keep_frozen_casts(model: torch.nn.Module, cfg: TrainerConfig, precision: str, *, sharded: bool) -> None:
-    """Keep bfloat16 copies of a LoRA model's frozen matmul weights (`frozen_casts`) as `cfg.frozen_weight_casts`
-    says: under bf16 autocast, on a CPU (`auto`) or anywhere (`on`), never under FSDP2, which gathers the weights
-    per use."""
-    if cfg.frozen_weight_casts == "off" or precision != "bf16-autocast":
+def keep_frozen_casts(model: torch.nn.Module, cfg: TrainerConfig, keep: bool, *, sharded: bool) -> None:
+    """Keep bfloat16 copies of a LoRA model's frozen matmul weights (`frozen_casts`) for bf16 autocast when the
+    trainer's plan says to (`TrainerPlan.frozen_weight_casts`), never under FSDP2, which gathers the weights per
+    use."""
+    if not keep:
         return
     if sharded:
         if cfg.frozen_weight_casts == "on":
             raise ConfigError("trainer.frozen_weight_casts='on' does not apply under torchrun: FSDP2 gathers each "
                               "weight per use; set it to 'auto' or 'off'")
         return
-    weights = frozen_matmul_weights(model)
-    if cfg.frozen_weight_casts == "on" or all(w.device.type == "cpu" for w in weights):
-        keep_casts(weights, compute_dtype(precision))
+    keep_casts(frozen_matmul_weights(model), torch.bfloat16)

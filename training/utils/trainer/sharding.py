@@ -101,7 +101,7 @@ class ShardedRoot(torch.nn.Module):
 
     def forward(self, batch: PaddedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         logprobs_BT, entropy_BT = self.compute(batch, temperature, with_entropy)
-        # Not views (`_scatter` returns one): an in-place op on a view output would drop the
+        # Not views (`scatter_to_grid` returns one): an in-place op on a view output would drop the
         # pre-backward hook FSDP2 registers on it. The copies are (b, T), small.
         return logprobs_BT.clone(), entropy_BT.clone() if entropy_BT is not None else None
 
