@@ -32,6 +32,7 @@ for path in ("/etc/planted", os.environ["HIDDEN"] + "/planted", "planted"):
     except OSError as e:
         out["writes"][path] = e.strerror
 out["hidden"] = os.listdir(os.environ["HIDDEN"])
+out["oom_score_adj"] = open("/proc/self/oom_score_adj").read().strip()
 print(json.dumps(out))
 """
 
@@ -81,6 +82,8 @@ def test_an_agent_sees_its_own_processes_and_writes_only_its_working_directory(k
                               f"{hidden}/planted": "Read-only file system", "planted": "written"}
     assert seen["hidden"] == [] and (workdir / "planted").read_text() == "x"
     assert sorted(p.name for p in hidden.iterdir()) == ["checkpoint"]
+    # Out of memory, the kernel kills the agent before the trainer (whose own score is untouched).
+    assert seen["oom_score_adj"] == "1000" and Path("/proc/self/oom_score_adj").read_text().strip() != "1000"
 
 
 @pytest.mark.skipif(not BACKENDS, reason="no agent sandbox works on this machine")

@@ -17,6 +17,10 @@ needs nothing of the trainer's. `FD` is a pipe it reads its spec from, as JSON:
 - `status_fd`: where the agent's wait status is written before this process exits; `watch_fd`: the read end of a
   pipe the trainer holds open, so the sandbox dies with the trainer, however that ends.
 
+When the machine runs out of memory, the kernel's OOM killer takes the sandbox first: this process sets its own
+`oom_score_adj` to the maximum (raising it needs no privilege), which every process the agent starts inherits, so an
+agent that allocates without bound is killed rather than the trainer.
+
 Every process of the sandbox dies with this one: when it exits, the pid namespace ends (it is its init with
 `unshare`; bubblewrap's init follows its child), and with it every process the agent started, `setsid` daemons
 included.
@@ -40,6 +44,7 @@ SYS_MOUNT_SETATTR = 442  # one number on every architecture since Linux 5.12
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 24, 47, 4
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+OOM_SCORE_ADJ_MAX = 1000
 TMPFS_SIZE = "size=1g"
 """A private /tmp of at most this much memory."""
 
@@ -167,6 +172,8 @@ def _die_with_trainer(watch_fd, agent_pid):
 def main():
     with os.fdopen(int(sys.argv[1]), "rb") as f:  # a pipe, not the command line, which other users can read
         spec = json.loads(f.read())
+    with open("/proc/self/oom_score_adj", "w") as f:  # first to be killed when memory runs out, children too
+        f.write(str(OOM_SCORE_ADJ_MAX))
     if spec.get("view"):
         build_view(spec["view"])
     listener = None
