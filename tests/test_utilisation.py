@@ -253,7 +253,9 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes, monkeypatch):
              "perf/old_policy_forward_time": 0.0, "perf/optim_step_time": 0.1}
     shared_seconds[0] = 7.25  # the engine computed beside the trainer for a quarter of its second
     first = utilisation.step_metrics(times, policy, None, deployment)
-    assert 0 <= first.pop("perf/cpu_util") <= 1  # the real process's (test_cpu_util_* below)
+    # The real process's (test_cpu_util_* below checks it). Over this microsecond "step" it is noise: another
+    # thread's CPU clock moves only at its scheduler tick, so the quotient can pass 1 here, never over a real step.
+    assert first.pop("perf/cpu_util") >= 0
     # The prefill as 8 whole prompts of 5 tokens: 40·147456 + 8·33280 + 8·15·512 FLOPs in 1 ms, against 1e12 FLOP/s.
     prefill = 40 * PER_TOKEN + 8 * PER_PROJECTED + 120 * PER_PAIR
     # Decoding one token is at least its weight matmuls and its vocabulary projection: at 1e12 FLOP/s, at most
