@@ -254,7 +254,8 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes, monkeypatch):
     shared_seconds[0] = 7.25  # the engine computed beside the trainer for a quarter of its second
     first = utilisation.step_metrics(times, policy, None, deployment)
     # The real process's (test_cpu_util_* below checks it). Over this microsecond "step" it is noise: another
-    # thread's CPU clock moves only at its scheduler tick, so the quotient can pass 1 here, never over a real step.
+    # thread's CPU clock moves only at its scheduler tick, so the quotient can pass 1 here (over a real step, by a
+    # tick).
     assert first.pop("perf/cpu_util") >= 0
     # The prefill as 8 whole prompts of 5 tokens: 40·147456 + 8·33280 + 8·15·512 FLOPs in 1 ms, against 1e12 FLOP/s.
     prefill = 40 * PER_TOKEN + 8 * PER_PROJECTED + 120 * PER_PAIR
