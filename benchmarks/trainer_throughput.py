@@ -59,8 +59,8 @@ import torch  # noqa: E402
 from training.utils.config.rl import TrainerConfig  # noqa: E402
 from training.utils.models.load import SMOLLM2_ALIAS, load_model_and_tokenizer  # noqa: E402
 from training.utils.runtime import machine_peak  # noqa: E402
-from training.utils.trainer import Datum, MicroBatch, Trainer, weight_dtype  # noqa: E402
-from training.utils.trainer.precision import compute_dtype, resolve_precision  # noqa: E402
+from training.utils.trainer import Datum, MicroBatch, Trainer  # noqa: E402
+from training.utils.trainer.precision import compute_dtype, resolve_precision, weights_dtype  # noqa: E402
 
 SHAPES = {
     # SmolLM2-135M-Instruct's architecture.
@@ -244,7 +244,7 @@ def time_layout(model, datums, args, device, layout: str, variants: list[str]) -
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = weight_dtype(TrainerConfig(precision=args.precision), device)
+    dtype = weights_dtype(resolve_precision(TrainerConfig(precision=args.precision), device))
     model = build_model(args, device, dtype)
     if args.workload == "uneven":
         datums = rl_shaped_datums(args.batch, args.seq_len, model.config.vocab_size)

@@ -28,9 +28,8 @@ from training.utils.rl.run_plan import optimizer_steps as planned_optimizer_step
 from training.utils.run_files.checkpoint import load_latest_verified, load_weights
 from training.utils.runtime import openmp
 from training.utils.sandbox.namespaces import AgentSandbox, choose_sandbox, protect_trainer
-from training.utils.trainer import Reference, Trainer, weight_dtype
+from training.utils.trainer import Reference, Trainer, resolve_precision, weights_dtype
 from training.utils.trainer.batching import Datum
-from training.utils.trainer.precision import weights_dtype
 
 log = logging.getLogger("training")
 
@@ -235,7 +234,8 @@ async def serve_policy(cfg: RLConfig, rollout_extras: dict[str, Any] | None = No
     """
     protect_trainer()
     sandbox = choose_sandbox(cfg.agent_sandbox, console=cfg.progress)  # `required` without one stops here
-    model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=weight_dtype(cfg.trainer, default_device()))
+    dtype = weights_dtype(resolve_precision(cfg.trainer, default_device()))
+    model, tokenizer = load_model_and_tokenizer(cfg.model, dtype=dtype)
     deployment = await start_deployment(model, tokenizer, cfg.deployment, model_name=cfg.model,
                                         sampling_timeout_s=cfg.sampling.timeout_s)
     shim = None

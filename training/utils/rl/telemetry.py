@@ -135,12 +135,6 @@ class EngineCounters:
         return metrics
 
 
-def process_cpu_seconds() -> float:
-    """User and system CPU seconds of this process so far, all its threads (not its children: an agent process's
-    are its own)."""
-    return time.process_time()
-
-
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask, which a container or `taskset` narrows)."""
     return len(os.sched_getaffinity(0))
@@ -192,7 +186,8 @@ class Utilisation:
 
     @staticmethod
     def cpu_clocks() -> dict[str, float]:
-        return {"cpu_s": process_cpu_seconds(), "wall_s": time.monotonic()}
+        # process_time: every thread's user and system seconds, not the children's (an agent process's are its own)
+        return {"cpu_s": time.process_time(), "wall_s": time.monotonic()}
 
     def step_metrics(self, metrics: dict, policy: Trainer, reference: Reference | None,
                      deployment: Deployment) -> dict[str, float]:

@@ -9,7 +9,7 @@ from training.utils.trainer.batching import Datum, MicroBatch, plan_microbatches
 from training.utils.trainer.core import Reference, Trainer
 from training.utils.trainer.optim import lr_multiplier
 from training.utils.trainer.plan import TrainerPlan, fit_memory
-from training.utils.trainer.precision import compute_dtype, resolve_precision, weight_dtype
+from training.utils.trainer.precision import compute_dtype, resolve_precision, weights_dtype
 from training.utils.trainer.reference import AdapterDisabledReference
 
 __all__ = [
@@ -25,5 +25,5 @@ __all__ = [
     "lr_multiplier",
     "plan_microbatches",
     "resolve_precision",
-    "weight_dtype",
+    "weights_dtype",
 ]

@@ -22,13 +22,9 @@ def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
     return "bf16-autocast" if native_bf16(device) else "fp32"
 
 
-def weight_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
-    """The dtype the trainer keeps its weights (and AdamW state) in: float32 unless `precision` is bf16."""
-    return weights_dtype(resolve_precision(cfg, device))
-
-
 def weights_dtype(precision: str) -> torch.dtype:
-    """The weights' dtype under a resolved `precision`."""
+    """The dtype the trainer keeps its weights (and AdamW state) in under a resolved `precision`: float32 unless
+    it is bf16."""
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
