@@ -74,7 +74,7 @@ def main() -> None:
     rows = {}
     for n in args.requests:
         prompts = make_prompts(n, args.prompt_len, tokenizer.vocab_size, seed=n)
-        embedded = DeploymentConfig(dtype="bfloat16", max_batch_requests=n, prefix_cache_tokens=0)
+        embedded = DeploymentConfig(dtype="bfloat16", max_batch_requests=n, prefix_cache_bytes=0)
         rows[n] = {"embedded": asyncio.run(bench(model, tokenizer, embedded, prompts, args.max_tokens))}
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
     with tempfile.TemporaryDirectory() as tmp, running_vllm_server(

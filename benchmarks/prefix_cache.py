@@ -73,7 +73,7 @@ async def sample_steps(cfg: RLConfig, model, tokenizer, rows, make_rollout_fn, e
     return per_step
 
 
-ARMS = {"off": {"prefix_cache_tokens": 0}, "default": {}, "no byte bound": {"prefix_cache_bytes": 1 << 50}}
+ARMS = {"off": {"prefix_cache_bytes": 0}, "default": {}, "no byte bound": {"prefix_cache_bytes": 1 << 50}}
 """The deployment settings each arm changes from the example's."""
 
 

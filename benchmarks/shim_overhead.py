@@ -224,9 +224,8 @@ async def bench(args) -> dict:
     )
     timed = TimedSampler(deployment.sampler)
     sample_kwargs = dict(max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, stop=[], timeout=900)
-    shim_cfg = AgentShimConfig(max_context_tokens=deployment.engine.max_context_tokens,
-                               max_body_bytes=64 * 2**20 if args.big_body_mb else None)
-    shim = AgentShim(timed, tokenizer, shim_cfg, sample_kwargs)
+    shim_cfg = AgentShimConfig(max_body_bytes=64 * 2**20 if args.big_body_mb else None)
+    shim = AgentShim(timed, tokenizer, shim_cfg, sample_kwargs, context_tokens=deployment.engine.max_context_tokens)
     # What the shim passes to the sampler (`AgentShim._sample`), minus the affinity key.
     direct_kwargs = dict(max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, stop=None, timeout=900)
     try:

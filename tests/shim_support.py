@@ -89,16 +89,18 @@ def scripted(tokenizer, completion: Completion, text: str, *, eos: bool = True) 
 
 
 @contextlib.asynccontextmanager
-async def shim_stack(tiny, *, max_tokens: int = 8, temperature: float = 1.0, **shim_cfg):
-    """A real embedded deployment on the tiny model, a SpySampler on its sampler, and a started shim."""
+async def shim_stack(tiny, *, max_tokens: int = 8, temperature: float = 1.0, context_tokens: int = 1024,
+                     **shim_cfg):
+    """A real embedded deployment on the tiny model, a SpySampler on its sampler, and a started shim whose turns
+    fit `context_tokens`."""
     model, tokenizer = tiny
     deployment = await start_embedded_deployment(
         copy.deepcopy(model), tokenizer, DeploymentConfig(), model_name="tiny", sampling_timeout_s=60
     )
     spy = SpySampler(deployment.sampler)
     sample_kwargs = dict(max_tokens=max_tokens, temperature=temperature, top_p=1.0, top_k=0, stop=[], timeout=30)
-    shim_cfg.setdefault("max_context_tokens", 1024)
-    shim = AgentShim(spy, tokenizer, AgentShimConfig(**shim_cfg), sample_kwargs, model_name="tiny")
+    shim = AgentShim(spy, tokenizer, AgentShimConfig(**shim_cfg), sample_kwargs, model_name="tiny",
+                     context_tokens=context_tokens)
     try:
         await shim.start()
         yield shim, spy

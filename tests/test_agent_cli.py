@@ -72,7 +72,7 @@ def run_one(tiny, agent: str, tmp_path: Path):
     executable = installed_cli(agent)
 
     async def scenario():
-        async with shim_stack(tiny, max_tokens=64, max_context_tokens=CONTEXT_TOKENS) as (shim, spy):
+        async with shim_stack(tiny, max_tokens=64, context_tokens=CONTEXT_TOKENS) as (shim, spy):
             def script(index, completion):
                 prompt = tokenizer.decode(spy.calls[index]["prompt_ids"])
                 answered = "\n</tool_response>" in prompt  # a tool's result (the tools' preamble names the tag too)

@@ -274,10 +274,10 @@ def test_the_text_bound_never_exceeds_the_real_token_count(tiny):
 
 
 def test_the_body_limit_is_derived_from_the_context_unless_set():
-    assert body_limit(AgentShimConfig(max_context_tokens=1024), 13) == BODY_FLOOR_BYTES
-    assert body_limit(AgentShimConfig(), 81) == BODY_FLOOR_BYTES  # no context known: the floor
-    assert body_limit(AgentShimConfig(max_context_tokens=131_072), 81) == 131_072 * 81 * 6
-    assert body_limit(AgentShimConfig(max_context_tokens=131_072, max_body_bytes=1000), 81) == 1000
+    assert body_limit(AgentShimConfig(), 1024, 13) == BODY_FLOOR_BYTES
+    assert body_limit(AgentShimConfig(), None, 81) == BODY_FLOOR_BYTES  # no context known: the floor
+    assert body_limit(AgentShimConfig(), 131_072, 81) == 131_072 * 81 * 6
+    assert body_limit(AgentShimConfig(max_body_bytes=1000), 131_072, 81) == 1000
 
 
 def test_a_render_that_outlasts_the_request_timeout_is_a_503_and_the_session_recovers(tiny, monkeypatch):

@@ -130,7 +130,7 @@ def test_bad_requests_get_wire_shaped_4xx_and_record_nothing(tiny):
 
 def test_context_overflow_is_a_400_and_max_tokens_fits_the_context(tiny):
     async def scenario():
-        async with shim_stack(tiny, max_context_tokens=40) as (shim, spy):
+        async with shim_stack(tiny, context_tokens=40) as (shim, spy):
             session = shim.open_session()
             client = openai_client(session)
             with pytest.raises(openai.BadRequestError) as info:
@@ -429,7 +429,7 @@ def test_finish_session_times_out_on_a_stuck_request_and_discard_drops_a_session
 def test_context_overflow_is_worded_as_each_wire_says_it(tiny):
     """Anthropic's wording is what Claude Code compacts on; OpenAI's code is context_length_exceeded."""
     async def scenario():
-        async with shim_stack(tiny, max_context_tokens=40) as (shim, spy):
+        async with shim_stack(tiny, context_tokens=40) as (shim, spy):
             session = shim.open_session()
             long = [{"role": "user", "content": "x" * 60}]
             client = anthropic_client(session)

@@ -188,7 +188,7 @@ def test_hostile_bodies_get_wire_shaped_4xx_and_the_server_keeps_serving(tiny, w
     assert len(bad) >= 25
 
     async def scenario():
-        async with shim_stack(tiny, max_context_tokens=512, max_body_bytes=1 << 20) as (shim, spy):
+        async with shim_stack(tiny, context_tokens=512, max_body_bytes=1 << 20) as (shim, spy):
             session = shim.open_session()
             async with aiohttp.ClientSession() as http:
                 for body in bad:

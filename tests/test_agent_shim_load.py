@@ -15,8 +15,7 @@ import pytest
 
 from shim_support import make_tiny, shim_stack
 from training.recipes import async_rl_loop, rl_loop
-from training.utils.config.rl import AgentShimConfig, SamplingConfig, TrainerConfig
-from training.utils.errors import ConfigError
+from training.utils.config.rl import AgentShimConfig, DeploymentConfig, SamplingConfig, TrainerConfig
 
 SESSIONS, TURNS = 200, 5
 
@@ -120,10 +119,21 @@ def test_recipes_hand_rollouts_a_running_shim(tmp_path, recipe):
     assert math.isfinite(summary["metrics"]["train/loss"])
 
 
-def test_a_shim_context_longer_than_the_deployments_is_refused_at_start(tmp_path):
+def test_the_shim_fits_turns_in_the_runs_one_context_limit(tmp_path):
+    """`deployment.max_context_tokens` is the shim's limit too: a prompt past it is a 400 the agent sees; the old
+    shim-only field is refused with the name of the one that replaced it."""
+    with pytest.raises(ValueError, match="agent_shim.max_context_tokens is now deployment.max_context_tokens"):
+        AgentShimConfig(enabled=True, max_context_tokens=64)
+    limits = []
+
+    def factory(setup):
+        limits.append(setup.shim.context_tokens)
+        return shim_rollout_factory([])(setup)
+
     cfg = rl_loop.Config(
-        model="tiny-random", max_steps=1, log_path=str(tmp_path / "run"), progress=False,
-        agent_shim=AgentShimConfig(enabled=True, max_context_tokens=1_000_000),
+        model="tiny-random", completions_per_prompt=2, prompt_groups_per_step=2, max_steps=1,
+        log_path=str(tmp_path / "run"), sampling=SamplingConfig(max_tokens=4, timeout_s=30), progress=False,
+        deployment=DeploymentConfig(max_context_tokens=200), agent_shim=AgentShimConfig(enabled=True),
     )
-    with pytest.raises(ConfigError, match="agent_shim.max_context_tokens=1000000 exceeds the deployment's context"):
-        rl_loop.main(cfg, rollout_fn_factory=shim_rollout_factory([]), rows=ROWS)
+    summary = rl_loop.main(cfg, rollout_fn_factory=factory, rows=ROWS)
+    assert limits and set(limits) == {200} and summary["steps"] == 1

@@ -69,7 +69,7 @@ def test_a_trainer_cap_is_an_end_of_turn_to_the_client_and_length_in_the_record(
     turn; a cut the client asked for (its max_tokens=5) is reported as one; every turn records "length"."""
 
     async def scenario():
-        async with shim_stack(tiny, max_tokens=8, max_context_tokens=40) as (shim, spy):
+        async with shim_stack(tiny, max_tokens=8, context_tokens=40) as (shim, spy):
             a_session, o_session = shim.open_session(), shim.open_session()
             a = anthropic_client(a_session)
             cut = await a.messages.create(model="m", max_tokens=64, messages=[USER])
@@ -268,7 +268,7 @@ def test_a_shim_built_without_the_recipe_clamps_max_tokens_to_the_deployments_co
             session = shim.open_session()
             reply = await anthropic_client(session).messages.create(
                 model="m", max_tokens=4096, messages=[{"role": "user", "content": "x" * 1000}])
-            return shim.cfg.max_context_tokens, reply, shim.stats
+            return shim.context_tokens, reply, shim.stats
         finally:
             await shim.close()
             await deployment.close()

@@ -266,7 +266,7 @@ def test_context_overflow_is_what_openai_clients_act_on(tiny):
     the only place Codex looks for it (it then compacts). Nothing is sampled."""
 
     async def scenario():
-        async with shim_stack(tiny, max_context_tokens=96) as (shim, spy):
+        async with shim_stack(tiny, context_tokens=96) as (shim, spy):
             session = shim.open_session()
             client = openai_client(session)
             for words in (40, 2000):  # counted exactly when rendered; refused on the text's length alone

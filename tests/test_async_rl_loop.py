@@ -189,11 +189,13 @@ def test_tis_is_on_by_default_off_policy_and_off_when_written_off():
     assert async_rl_loop.Config().tis_in_effect() is None
     assert async_rl_loop.Config(synchronous_training=True).tis_in_effect() is None
     assert rl_loop.Config().tis_in_effect() is None
-    # The config keeps what the user wrote: the default is decided where the run plan reads it, nothing is set.
+    # The config keeps what the user wrote: `auto` is decided where the run plan reads it, nothing is set.
     cfg = async_rl_loop.Config(max_head_offpolicy_versions=1)
-    assert cfg.tis is None and "tis" not in cfg.model_fields_set
-    # ... and a config rebuilt from what was written decides the same.
+    assert cfg.tis == "auto" and cfg.model_dump()["tis"] == "auto"
+    # ... and a config rebuilt from its dump, or from what was written, decides the same.
+    assert async_rl_loop.Config(**cfg.model_dump()).tis_in_effect() == TISConfig()
     assert async_rl_loop.Config(**cfg.model_dump(exclude_unset=True)).tis_in_effect() == TISConfig()
+    assert async_rl_loop.Config(**async_rl_loop.Config(tis=None).model_dump()).tis_in_effect() is None
 
 
 @pytest.mark.parametrize("written", [{}, {"tis": None}], ids=["unset", "written_off"])

@@ -173,7 +173,7 @@ def test_rollout_records_the_subprocess_agents_one_turn_exactly(tiny, tmp_path):
     log = tmp_path / "runs.jsonl"
 
     async def scenario():
-        async with shim_stack(tiny, max_tokens=16, max_context_tokens=4096) as (shim, spy):
+        async with shim_stack(tiny, max_tokens=16, context_tokens=4096) as (shim, spy):
             # One turn: random bytes never meet the format, and a follow-up would only repeat that.
             rollout_fn = make_rollout_fn(rollout_setup(shim, tok, runs_log=str(log), max_turns=1))
             run = await rollout_fn(ROW, sample_index=3, submit_version=0, evaluation=False)
@@ -217,7 +217,7 @@ def test_follow_ups_and_the_check_turn_append_to_one_segment(tiny, tmp_path, rep
     log = tmp_path / "runs.jsonl"
 
     async def scenario():
-        async with shim_stack(tiny, max_tokens=256, max_context_tokens=4096) as (shim, spy):
+        async with shim_stack(tiny, max_tokens=256, context_tokens=4096) as (shim, spy):
             spy.script = lambda i, c: scripted(tok, c, replies[i])
             rollout_fn = make_rollout_fn(rollout_setup(shim, tok, max_turns=4, stream=stream, check=check,
                                                        runs_log=str(log)))
@@ -243,7 +243,7 @@ def test_an_agent_that_fails_is_a_recoverable_drop_with_its_stderr(tiny, tmp_pat
     log = tmp_path / "runs.jsonl"
 
     async def scenario():
-        async with shim_stack(tiny, max_tokens=16, max_context_tokens=64) as (shim, spy):
+        async with shim_stack(tiny, max_tokens=16, context_tokens=64) as (shim, spy):
             rollout_fn = make_rollout_fn(rollout_setup(shim, tok, runs_log=str(log)))
             with pytest.raises(RecoverableRolloutError) as raised:
                 await rollout_fn(ROW, sample_index=1, submit_version=2, evaluation=False)
@@ -265,7 +265,7 @@ def test_an_agent_past_its_timeout_is_killed_and_dropped(tiny):
     _, tok = tiny
 
     async def scenario():
-        async with shim_stack(tiny, max_tokens=4, max_context_tokens=4096) as (shim, spy):
+        async with shim_stack(tiny, max_tokens=4, context_tokens=4096) as (shim, spy):
             spy.delay = 30.0  # the model "hangs"
             rollout_fn = make_rollout_fn(rollout_setup(shim, tok, agent_timeout_s=5.0))
             with pytest.raises(RecoverableRolloutError, match=r"timed out after 5s; stderr tail:") as raised:

@@ -176,7 +176,7 @@ def rollout(directory: Path, reply: str, stand_in: str):
     log = directory / "runs.jsonl"
 
     async def scenario():
-        async with shim_stack(tiny, max_tokens=16, max_context_tokens=1024) as (shim, spy):
+        async with shim_stack(tiny, max_tokens=16, context_tokens=1024) as (shim, spy):
             spy.script = lambda i, c: scripted(tokenizer, c, reply)
             setup = RolloutSetup(tokenizer=tokenizer, sampler=None, sample_kwargs={"max_tokens": 16},
                                  inference_base_url="", model_name="tiny", completions_per_prompt=1, shim=shim,

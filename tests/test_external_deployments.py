@@ -27,10 +27,11 @@ from training.utils.deploy.external import SERVER_KINDS, connect_external_deploy
 from training.utils.deploy.nccl import NCCLBroadcaster
 from training.utils.deploy.sglang import WEIGHT_SYNC_GROUP_NAME, SGLangWeightSync
 from training.utils.deploy.vllm import VLLMWeightSync
-from training.utils.errors import DeploymentError, RecoverableDeploymentError
+from training.utils.errors import ConfigError, DeploymentError, RecoverableDeploymentError
 from training.utils.models.tiny import make_test_tokenizer, tiny_config
 from training.utils.rl import startup
 from training.utils.rl.rollout.types import sample_from_completion
+from training.utils.rl.run_plan import run_context_tokens
 from training.utils.rl.startup import make_rollout_setup
 
 PROMPT = [1, 2, 3]
@@ -604,6 +605,15 @@ def test_an_external_deployment_reports_the_served_context_and_no_engine_counter
     listed, unlisted = asyncio.run(main())
     assert (listed.model_name, listed.context_tokens, listed.engine_stats()) == ("served-model", 4096, {})
     assert (unlisted.model_name, unlisted.context_tokens, unlisted.engine_stats()) == ("served-model", None, {})
+    # The run's one context limit: the served one unless set lower; set past it, refused before any prompt fails.
+    def limit(deployment, configured):
+        return run_context_tokens(RLConfig(model="m", deployment=external_cfg(
+            "sglang", "http://127.0.0.1:1", max_context_tokens=configured)), deployment)
+
+    assert (limit(listed, None), limit(listed, 2048), limit(unlisted, None), limit(unlisted, 8192)) == (
+        4096, 2048, None, 8192)
+    with pytest.raises(ConfigError, match="deployment.max_context_tokens=8192 exceeds the 4096 tokens"):
+        limit(listed, 8192)
 
 
 VLLM_DEV_ROUTES = [("POST", "/init_weight_transfer_engine"), ("POST", "/collective_rpc"),

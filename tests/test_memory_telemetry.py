@@ -21,7 +21,7 @@ from training.recipes import async_rl_loop, rl_loop
 from training.utils.config.rl import DeploymentConfig, SamplingConfig, TrainerConfig
 from training.utils.deploy import Engine
 from training.utils.deploy.handle import DeploymentHandle
-from training.utils.deploy.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, prefix_cache_bounds
+from training.utils.deploy.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache, prefix_cache_budget
 from training.utils.errors import ConfigError
 from training.utils.models.load import load_model_and_tokenizer
 from training.utils.models.tiny import tiny_config
@@ -131,7 +131,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def test_the_prefix_cache_reports_the_most_it_held_since_the_previous_read():
     """A weight sync empties the cache before the step's record is taken: the record shows what it held."""
-    cache = PrefixCache(max_tokens=1000, max_bytes=64 * 100)
+    cache = PrefixCache(max_bytes=64 * 100)
     assert cache.take_most_bytes() == 0
     cache.add(tokens(40, 0), reads(fake_kv(40)))
     cache.add(tokens(50, 1), reads(fake_kv(50)))
@@ -146,7 +146,7 @@ def test_the_prefix_cache_reports_the_most_it_held_since_the_previous_read():
 
 
 def test_the_prefix_cache_evicts_by_bytes_and_keeps_nothing_larger_than_its_byte_bound():
-    cache = PrefixCache(10_000, max_bytes=100 * 64)
+    cache = PrefixCache(max_bytes=100 * 64)
     a, b, c = tokens(40, 0), tokens(40, 1), tokens(40, 2)
     for sequence in (a, b):
         cache.add(sequence, reads(fake_kv(40)))
@@ -159,20 +159,20 @@ def test_the_prefix_cache_evicts_by_bytes_and_keeps_nothing_larger_than_its_byte
 
     cache.add(tokens(101, 3), not_read)  # the bytes of a token are known by now: not even copied
     assert cache.num_bytes == 80 * 64 and len(cache) == 2
-    fresh = PrefixCache(10_000, max_bytes=100 * 64)
+    fresh = PrefixCache(max_bytes=100 * 64)
     fresh.add(tokens(101, 3), reads(fake_kv(101)))  # the first one is read, found too large, not kept
     assert (fresh.num_bytes, len(fresh)) == (0, 0)
     cache.clear()
     assert cache.num_bytes == 0
 
 
-def test_the_byte_bound_defaults_to_512_mib_or_one_context():
+def test_the_byte_bound_defaults_to_512_mib_within_one_to_four_contexts():
     assert DEFAULT_MAX_BYTES == 512 << 20
-    assert prefix_cache_bounds(None, None, 12_000, 512) == (48_000, 512 << 20)
+    assert prefix_cache_budget(None, 12_000, 512) == 4 * 12_000 * 512, "four contexts, below 512 MiB"
     smollm2_float32 = 2 * 30 * 3 * 64 * 4  # a token of SmolLM2-135M: 46 KB; a context of 8192 is 360 MiB
-    assert prefix_cache_bounds(None, None, 8192, smollm2_float32) == (4 * 8192, 512 << 20)
-    assert prefix_cache_bounds(None, None, 32_768, 131_072) == (4 * 32_768, 32_768 * 131_072), "one context fits"
-    assert prefix_cache_bounds(100, 7, 8192, 512) == (100, 7)
+    assert prefix_cache_budget(None, 8192, smollm2_float32) == 512 << 20
+    assert prefix_cache_budget(None, 32_768, 131_072) == 32_768 * 131_072, "one context fits"
+    assert prefix_cache_budget(7, 8192, 512) == 7 and prefix_cache_budget(0, 8192, 512) == 0
 
 
 # ---------------------------------------------------------------------------- a step's peak

@@ -21,6 +21,7 @@ from training.utils.deploy.prefix_cache import BLOCK_TOKENS, CachedKV, PrefixCac
 from training.utils.models.load import load_model_and_tokenizer
 from training.utils.models.tiny import tiny_config
 from training.utils.rl.telemetry import EngineCounters
+from training.utils.runtime.memory import kv_bytes_per_token
 
 EXACT = 1e-5  # float32: the same logits up to the order of reductions
 
@@ -49,6 +50,10 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(10, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+KV_BYTES = 2 * 2 * 1 * 4 * 4
+"""Bytes of one token's keys/values in `fake_kv`."""
+
+
 def fake_kv(n: int, fill: float = 0.0) -> torch.Tensor:
     return torch.full((2, 2, 1, n, 4), fill)
 
@@ -61,7 +66,7 @@ def whole(kv: torch.Tensor) -> CachedKV:
 
 
 def test_match_is_the_longest_common_prefix_and_leaves_the_last_prompt_token():
-    cache = PrefixCache(1000)
+    cache = PrefixCache(1000 * KV_BYTES)
     a, b = tokens(40, 0), tokens(40, 1)
     cache.add(a, reads(torch.arange(40.0).expand(2, 2, 1, 40)[..., None]))
     cache.add(b, reads(fake_kv(40)))
@@ -74,7 +79,7 @@ def test_match_is_the_longest_common_prefix_and_leaves_the_last_prompt_token():
 
 
 def test_an_entry_that_extends_others_replaces_them_and_a_covered_one_is_not_copied():
-    cache = PrefixCache(1000)
+    cache = PrefixCache(1000 * KV_BYTES)
     turn1 = tokens(30, 0)
     cache.add(turn1, reads(fake_kv(30)))
     turn2 = turn1 + tokens(20, 1)
@@ -100,7 +105,7 @@ def test_the_draws_of_one_prompt_hold_its_full_blocks_once_and_each_serves_its_o
         values = torch.arange(50.0) + torch.where(torch.arange(50) < 40, 0.0, 1000.0 * (g + 1))
         return values[:, None].expand(2, 2, 1, 50, 4).clone()  # 64 bytes a token, as fake_kv's
 
-    cache = PrefixCache(4 * 50)
+    cache = PrefixCache(4 * 50 * KV_BYTES)
     cache.add(prompt, reads(keys_of(0)[:, :, :, :40]))
     copied = []
     for g, draw in enumerate(draws):
@@ -111,13 +116,13 @@ def test_the_draws_of_one_prompt_hold_its_full_blocks_once_and_each_serves_its_o
     for g, draw in enumerate(draws):
         kv, m = cache.match(draw + tokens(5, 9))
         assert m == 50 and torch.cat(kv.pieces, dim=3)[0, 0, 0, :, 0].tolist() == keys_of(g)[0, 0, 0, :, 0].tolist()
-    cache.max_tokens = 100
+    cache.max_bytes = 100 * KV_BYTES
     cache.add(tokens(40, 20), reads(fake_kv(40, 7.0)))  # 140 tokens: the three oldest draws go, 90 remain
     assert len(cache) == 2 and cache.num_tokens == 32 + 18 + 40 and cache.num_bytes == cache.num_tokens * 64
     kv, m = cache.match(draws[3] + [1])
     assert m == 50 and torch.cat(kv.pieces, dim=3)[0, 0, 0, :, 0].tolist() == keys_of(3)[0, 0, 0, :, 0].tolist()
     assert cache.match(draws[0] + [1])[1] == 40, "draw 0's own tokens went with it; the prompt stays in draw 3's"
-    cache.max_tokens = 50
+    cache.max_bytes = 50 * KV_BYTES
     cache.add(tokens(50, 21), reads(fake_kv(50)))
     assert (len(cache), cache.num_tokens, cache.match(prompt + [1])) == (1, 50, (None, 0)), "the last user frees them"
 
@@ -126,7 +131,7 @@ def test_a_block_key_that_stands_for_other_tokens_is_never_shared(monkeypatch):
     """Block keys are hashes: should two prefixes' keys collide, the later sequence is not kept rather than
     served another prefix's keys/values."""
     monkeypatch.setattr(prefix_cache, "block_hashes", lambda t: [7 + b for b in range(len(t) // BLOCK_TOKENS)])
-    cache = PrefixCache(1000)
+    cache = PrefixCache(1000 * KV_BYTES)
     a, b = tokens(40, 0), tokens(40, 1)
     cache.add(a, reads(fake_kv(40, 1.0)))
     cache.add(a[:16] + b[16:], reads(fake_kv(40, 2.0)))  # the first block equal, the second's key taken
@@ -136,7 +141,7 @@ def test_a_block_key_that_stands_for_other_tokens_is_never_shared(monkeypatch):
 
 
 def test_least_recently_used_entries_go_first_within_the_token_budget():
-    cache = PrefixCache(100)
+    cache = PrefixCache(100 * KV_BYTES)
     a, b, c = tokens(40, 0), tokens(40, 1), tokens(40, 2)
     cache.add(a, reads(fake_kv(40)))
     cache.add(b, reads(fake_kv(40)))
@@ -186,6 +191,11 @@ def test_prefill_after_cached_prefixes_gives_the_full_prefill_logits(tiny):
 # ---------------------------------------------------------------------------- the engine
 
 
+def kv_bytes(model) -> int:
+    """Bytes of one token's keys/values in an engine serving `model` as it is."""
+    return kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+
+
 def engine_for(model, tok, **cfg) -> Engine:
     return Engine(copy.deepcopy(model), tok, DeploymentConfig(**cfg))
 
@@ -215,7 +225,7 @@ def served_with_and_without_cache(model, tok, scenario, **cfg):
             engine.close()
 
     cached = asyncio.run(on(engine_for(model, tok, **cfg)))
-    plain = asyncio.run(on(engine_for(model, tok, **{**cfg, "prefix_cache_tokens": 0})))
+    plain = asyncio.run(on(engine_for(model, tok, **{**cfg, "prefix_cache_bytes": 0})))
     return cached, plain
 
 
@@ -287,7 +297,8 @@ def test_an_evicted_prefix_is_prefilled_again_and_a_kept_one_still_hits(tiny):
         out.append(await sample(engine, a, 1, max_tokens=4))  # evicted: prefilled whole
         return out, engine.stats["prefill_tokens"] - before
 
-    ((got, fresh), stats), ((want, _), _) = served_with_and_without_cache(model, tok, evict, prefix_cache_tokens=100)
+    ((got, fresh), stats), ((want, _), _) = served_with_and_without_cache(model, tok, evict,
+                                                                              prefix_cache_bytes=100 * kv_bytes(model))
     assert_same_samples(got, want)
     assert fresh == 1 + 40 and stats["prefix_cache_hit_tokens"] == 39
 
@@ -308,7 +319,7 @@ def test_no_prefix_computed_on_old_weights_is_reused_after_a_weight_update(tiny,
     assert got[1].versions == [1] * len(got[1].output_ids)
     assert hits == len(got[2].prompt_ids) - 13, "after the update only the new weights' first turn is reused"
     # What the new weights sample with a cold engine: the same tokens and logprobs.
-    cold = engine_for(tiny_other, tok, prefix_cache_tokens=0)
+    cold = engine_for(tiny_other, tok, prefix_cache_bytes=0)
     try:
         fresh = asyncio.run(session(cold, prompt, 2, 0))
     finally:
@@ -348,16 +359,17 @@ def test_a_sequence_that_spans_a_weight_update_is_not_cached(tiny, tiny_other):
     assert hits == 0
 
 
-@pytest.mark.parametrize("bound", ["prefix_cache_tokens", "prefix_cache_bytes"])
-def test_a_zero_bound_turns_the_cache_off(tiny, bound):
+def test_a_zero_bound_turns_the_cache_off_and_the_old_token_bound_names_its_successor(tiny):
     model, tok = tiny
-    engine = engine_for(model, tok, **{bound: 0})
+    engine = engine_for(model, tok, prefix_cache_bytes=0)
     try:
         assert engine._prefix_cache is None
     finally:
         engine.close()
-    with pytest.raises(ValueError, match=bound):
-        DeploymentConfig(**{bound: -1})
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        DeploymentConfig(prefix_cache_bytes=-1)
+    with pytest.raises(ValueError, match="prefix_cache_tokens is now deployment.prefix_cache_bytes"):
+        DeploymentConfig(prefix_cache_tokens=100)
 
 
 def test_the_default_budget_keeps_a_prompt_longer_than_the_old_fixed_one(tiny):
@@ -373,7 +385,7 @@ def test_the_default_budget_keeps_a_prompt_longer_than_the_old_fixed_one(tiny):
     engine = engine_for(model, tok, max_context_tokens=12_000)
     try:
         asyncio.run(two_draws(engine))
-        assert engine._prefix_cache.max_tokens == 4 * 12_000
+        assert engine._prefix_cache.max_bytes == 4 * 12_000 * kv_bytes(model)
         assert (engine.stats["prefill_tokens"], engine.stats["prefix_cache_hit_tokens"]) == (9000 + 1, 8999)
     finally:
         engine.close()

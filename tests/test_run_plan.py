@@ -59,7 +59,7 @@ def test_the_ledgers_first_record_is_the_plan(tmp_path, caplog):
         frozen_weight_casts=False, compile_layers=False, share_prefixes=True, tis=None, min_group_size=2,
         eps_clip_high=0.2,
         max_tokens_per_microbatch=2048, gradient_checkpointing=False, memory_budget="no budget",
-        prefix_cache_bytes=None, total_steps=2, optimizer_steps=2, context_tokens=1024, shim_context_tokens=None,
+        prefix_cache_bytes=None, total_steps=2, optimizer_steps=2, context_tokens=1024,
         sequence_tokens=1024, sequence_limit="the policy's context (its max_position_embeddings)", eval_interval=0)
     block = next(m for m in caplog.messages if m.startswith("run plan"))
     assert "fp32 on cpu" in block and "micro-batches of 2048 tokens" in block and len(block.splitlines()) == 7
@@ -92,6 +92,18 @@ def test_the_async_recipe_plans_tis_from_o(tmp_path):
     written_off, _ = planned(async_rl_loop, tiny_cfg(async_rl_loop, tmp_path / "off", max_head_offpolicy_versions=1,
                                                      tis=None))
     assert written_off["tis"] is None
+
+
+@pytest.mark.parametrize("tis", ["auto", None], ids=["auto", "off"])
+def test_a_config_rebuilt_from_its_dump_plans_the_same_run(tmp_path, tis):
+    """`Config(**cfg.model_dump())` (a config saved as JSON and read back, a sweep's copy) keeps every setting
+    the plan decides from: the default TIS of an off-policy run stays on, and one turned off stays off."""
+    cfg = tiny_cfg(async_rl_loop, tmp_path / "first", max_head_offpolicy_versions=1, tis=tis)
+    rebuilt = async_rl_loop.Config(**cfg.model_dump() | {"log_path": str(tmp_path / "rebuilt" / "run")})
+    assert rebuilt.tis == tis and rebuilt.tis_in_effect() == cfg.tis_in_effect()
+    first, _ = planned(async_rl_loop, cfg)
+    again, _ = planned(async_rl_loop, rebuilt)
+    assert (first["tis"] is None) == (tis is None) and again | {"threads": None} == first | {"threads": None}
 
 
 def test_a_tight_memory_budget_is_in_the_plan(tmp_path, monkeypatch):
@@ -148,8 +160,6 @@ ALLOWED = {
         "LossSpec freezing its own fields (a frozen dataclass of the loss, not a config)",
     ("training/utils/deploy/replica_deployment.py", "connect_replicated_deployment"):
         "connecting: each replica's DeploymentConfig made from the user's, before the run starts",
-    ("training/utils/rl/agent/server.py", "start"):
-        "the shim's start: its context limit, the one the run plan records (`shim_context_tokens`)",
 }
 """(module, function) -> why a config is copied or written there: start-up only."""
 

@@ -12,7 +12,7 @@ What the algorithm is:
 3. The ratio's anchor π_old is recomputed with the pre-update weights (`anchor_logp=
    "old_policy"`), so the PPO clip only bounds the update within a batch; the staleness of
    the samples themselves is corrected by `tis` (weight exp(π_old − μ)), token-level TIS by
-   default when O >= 1 (`tis=None` written out turns it off).
+   default when O >= 1 (`tis="auto"`; `tis=None` turns it off).
 
 The trainer side of each batch has the same five phases as `rl_loop`:
   1. Take the next batch of accepted groups, chunk by chunk, as the producer settles them.
@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from training.utils.config.rl import RLConfig, TISConfig
+from training.utils.config.rl import RLConfig
 from training.utils.deploy import Deployment
 from training.utils.rl.async_rl import BatchCoordinator, CircuitBreaker, OffPolicyGate, RolloutProducer
 from training.utils.rl.groups import SettledRow, group_of, rollout_metrics
@@ -61,7 +61,7 @@ class Config(RLConfig):
     """O: rows may be submitted while up to O batches beyond the published version are accepted or
     in flight, i.e. at most O+1 batches of samples outstanding. The default 0 is on-policy at submission
     (with one chunk, the batches of `rl_loop`); O >= 1 lets sampling overlap training, and turns token-level
-    `tis` on unless `tis` is written (`tis=None` keeps it off)."""
+    `tis` on unless it is set otherwise (`tis="auto"`, the default; `tis=None` keeps it off)."""
     max_concurrency_rollout_sample: int | None = Field(None, ge=1)
     """C: most rollout_fn calls in flight at once; None leaves only the staleness budget. Must be >= G."""
     pipeline_chunks_per_step: int = Field(1, ge=1)
@@ -93,13 +93,6 @@ class Config(RLConfig):
         if isinstance(data, dict) and data.get("synchronous_training") and "max_head_offpolicy_versions" not in data:
             data = {**data, "max_head_offpolicy_versions": 0}
         return data
-
-    def tis_in_effect(self) -> TISConfig | None:
-        """`tis` as written; left unset, token-level TIS when O >= 1. Samples up to O versions old need the
-        correction: without it the async recipe learned worse than rl_loop (issue 28). The run plan records it."""
-        if "tis" in self.model_fields_set:
-            return self.tis
-        return TISConfig() if self.max_head_offpolicy_versions >= 1 else None
 
     @model_validator(mode="after")
     def _check_async(self) -> Config:

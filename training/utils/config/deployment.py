@@ -98,26 +98,22 @@ class DeploymentConfig(StrictModel):
     steps and warns why (docs/engine-decode-loop.md: Start-up self-check). `eager` skips the check."""
     max_batch_requests: int = Field(64, gt=0)
     """Most sequences the engine decodes at once."""
-    prefix_cache_tokens: int | None = Field(None, ge=0)
-    """Tokens of keys/values the embedded engine keeps from recently prefilled prompts and finished sequences, so
-    a prompt that starts with them (the G draws of one row, the next turn of a chat) prefills only the rest; least
-    recently used first out, emptied at every weight update; 0 turns it off. Entries share the blocks of a common
-    prefix (a row's draws, an agent's system prompt), counted once. None: four prompts of the context
-    served (4 x `max_context_tokens`). A prompt longer than the budget is never kept, and an agent's prompts are
-    long (a CLI agent's system prompt and tool schemas alone run to 7k-20k tokens), so the default scales with
-    the longest prompt the deployment can be sent, with room for a few rows and sessions at once. Only what is
-    cached takes memory: a token costs 2 x layers x KV heads x head dim x dtype bytes, 46 KB for SmolLM2-135M in
-    float32, 12 KB for Qwen2.5-0.5B in bfloat16; set a number to cap it, and `prefix_cache_bytes` bounds its memory
-    whatever a token costs (docs/engine-decode-loop.md: Prefix cache)."""
     prefix_cache_bytes: int | None = Field(None, ge=0)
-    """Bytes of keys/values the prefix cache holds at most, besides `prefix_cache_tokens`; least recently used
-    entries leave first, and a sequence larger than the bound is not kept; 0 turns the cache off. None: 512 MiB, or
-    one context's keys/values where that is more, so the longest prompt the deployment serves still fits. A token's
-    count hides its size (SmolLM2-135M's costs 46 KB in float32, Qwen2.5-0.5B's 12 KB in bfloat16), so this is the
-    bound that says what the cache may take of a laptop's memory: for SmolLM2 in float32 the default is about a
-    third of four contexts (1.4 GiB), still nearly a context and a half. `memory_budget_gib` lowers it to fit."""
+    """Bytes of keys/values the embedded engine keeps from recently prefilled prompts and finished sequences, so a
+    prompt that starts with them (the G draws of one row, the next turn of a chat) prefills only the rest; least
+    recently used first out, emptied at every weight update; 0 turns it off. Entries share the blocks of a common
+    prefix (a row's draws, an agent's system prompt), counted once, and a sequence larger than the bound is not
+    kept. None: 512 MiB, but at least one context's keys/values (so the longest prompt the deployment serves still
+    fits: an agent's prompts are long, a CLI agent's system prompt and tool schemas alone run to 7k-20k tokens)
+    and at most four contexts'. A token costs 2 x layers x KV heads x head dim x dtype bytes, 46 KB for
+    SmolLM2-135M in float32 (the default is then 11.6k tokens), 12 KB for Qwen2.5-0.5B in bfloat16; only what is
+    cached takes memory, and `memory_budget_gib` lowers the bound to fit (docs/engine-decode-loop.md: Prefix
+    cache)."""
     max_context_tokens: int | None = Field(None, gt=0)
-    """Longest prompt + completion served; defaults to the model's `max_position_embeddings`."""
+    """Longest prompt + completion of one request: the run's one context limit. The embedded engine serves this
+    many (None: the model's `max_position_embeddings`); with an external server, None takes the `max_model_len`
+    it reports, and a larger value than that is refused at start-up. The agent shim answers a prompt that leaves
+    no room within it with a 400 `context_length_exceeded`, and caps each turn's max_tokens to fit it."""
     weight_sync_timeout_s: FiniteFloat = Field(600.0, gt=0)
     """Upper bound on one weight sync; exceeding it raises instead of hanging."""
     weight_dir: str | None = None
@@ -143,6 +139,15 @@ class DeploymentConfig(StrictModel):
         if elsewhere:
             config._elsewhere = elsewhere
         return config
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prefix_cache_bound_moved(cls, data):
+        if isinstance(data, dict) and "prefix_cache_tokens" in data:
+            raise ValueError("deployment.prefix_cache_tokens is now deployment.prefix_cache_bytes, the prefix cache's "
+                             "one bound (a token's keys/values cost 2 x layers x KV heads x head dim x dtype bytes; "
+                             "0 still turns the cache off)")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -225,9 +230,6 @@ class AgentShimConfig(StrictModel):
     stitching: Literal["split", "repair"] = "split"
     """When a later prompt no longer token-matches an earlier output: `split` opens a new segment and loses
     no sampled token; `repair` masks or drops the unstitched tail."""
-    max_context_tokens: int | None = Field(None, gt=0)
-    """Longest prompt + completion of one turn; a prompt with no room left is a 400 `context_length_exceeded`.
-    None means the deployment's context length."""
     request_timeout_s: FiniteFloat = Field(900.0, gt=0)
     """Upper bound on each wait of one request: its turn in the session's queue, sampling, writing the reply."""
     record_toolless: bool = True
@@ -248,7 +250,8 @@ class AgentShimConfig(StrictModel):
     the model never saw it. `placeholder`: replace each with `[<type> omitted]` and answer, as if it had."""
     max_body_bytes: int | None = Field(None, gt=0)
     """Largest request body accepted; a bigger one gets a 413 (before it is read, when its size is announced).
-    None derives it from the context: the most a prompt of `max_context_tokens` can take as JSON (each token the
+    None derives it from the run's context (`deployment.max_context_tokens`, else what the deployment serves): the
+    most a prompt of that many tokens can take as JSON (each token the
     tokenizer's longest, each byte a six-byte `\\uXXXX` escape), but at least 32 MiB, the Anthropic API's own
     limit, so no body a real provider takes is refused. The shim's `/healthz` reports the limit in force."""
     max_body_bytes_in_flight: int | None = Field(None, gt=0)
@@ -282,6 +285,14 @@ class AgentShimConfig(StrictModel):
     """Most bytes that parsed requests may take at once, estimated from their size and item count before parsing:
     process-wide this many, one session half of it. A request that finds no room waits in arrival order (a 503
     after `client_timeout_s`); one larger than a session's share is a 413."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _context_limit_moved(cls, data):
+        if isinstance(data, dict) and "max_context_tokens" in data:
+            raise ValueError("agent_shim.max_context_tokens is now deployment.max_context_tokens, the run's one "
+                             "context limit (the shim enforces it on every turn); set it there")
+        return data
 
     @model_validator(mode="after")
     def _room_for_one_body(self) -> AgentShimConfig:

@@ -176,10 +176,10 @@ class RLConfig(StrictModel):
     because the reward and the advantage belong to the run, and how many pieces a trace was cut into
     (compactions, sub-agents, re-renders) is no merit of the policy's: weighting by segments would favour the runs
     that compact most. `token_mean` and `sum` weigh every trained token alike, so there the two agree."""
-    tis: TISConfig | None = None
-    """Train-inference mismatch correction (truncated importance sampling, IcePop); None disables it. Left unset in
-    `async_rl_loop` with `max_head_offpolicy_versions` >= 1 the run applies `TISConfig()` (token-level TIS, cap 2;
-    the run plan's `tis`), which corrects samples from older weights; write `tis=None` to turn that off."""
+    tis: TISConfig | Literal["auto"] | None = "auto"
+    """Train-inference mismatch correction (truncated importance sampling, IcePop); None turns it off. `auto`: in
+    `async_rl_loop` with `max_head_offpolicy_versions` >= 1, `TISConfig()` (token-level TIS, cap 2), which corrects
+    samples from older weights; otherwise off. The run plan's `tis` says what a run applies."""
     overlong_penalty: OverlongConfig | None = None
     """DAPO's overlong reward shaping, added to each run's reward before the group advantages, which the trainer
     recomputes (`rollout/*` and `dynamic_filter_fn` see the raw rewards; `train/overlong_penalty_mean` is the mean
@@ -344,8 +344,12 @@ class RLConfig(StrictModel):
         return self
 
     def tis_in_effect(self) -> TISConfig | None:
-        """The correction a run applies: `tis` (a recipe may default it, `async_rl_loop.Config`)."""
-        return self.tis
+        """The correction a run applies: `tis`, and for `auto` token-level TIS when samples may come from older
+        weights (`max_head_offpolicy_versions` >= 1, an `async_rl_loop` field): without it the async recipe learned
+        worse than rl_loop (issue 28). The run plan records it."""
+        if self.tis != "auto":
+            return self.tis
+        return TISConfig() if getattr(self, "max_head_offpolicy_versions", 0) >= 1 else None
 
     def effective_min_group_size(self) -> int:
         if self.min_group_size is not None:

@@ -32,7 +32,7 @@ from training.utils.deploy.engine_memory import EngineMemory
 from training.utils.deploy.engine_weights import WeightTargets, read_safetensors
 from training.utils.deploy.graphs import decode_steps_for
 from training.utils.deploy.next_token import SamplingParams_B, sample_next
-from training.utils.deploy.prefix_cache import CachedKV, PrefixCache, prefix_cache_bounds
+from training.utils.deploy.prefix_cache import CachedKV, PrefixCache, prefix_cache_budget
 from training.utils.deploy.sequences import SequenceGroup, SequenceState, make_group, sampling_params
 from training.utils.errors import DeploymentError, RecoverableDeploymentError
 from training.utils.models.cpu_attention import DECODE_NAME, use_cpu_attention
@@ -106,10 +106,9 @@ class Engine:
         self._rows: list[SequenceState] = []
         self._params_B: SamplingParams_B | None = None
         self._split_cost_tokens = PREFILL_SPLIT_COST_TOKENS if self.model.device.type == "cpu" else None
-        max_tokens, max_bytes = prefix_cache_bounds(
-            cfg.prefix_cache_tokens, cfg.prefix_cache_bytes if prefix_cache_bytes is None else prefix_cache_bytes,
-            self.max_context_tokens, kv_bytes_per_token(model.config, self.model.dtype))
-        self._prefix_cache = PrefixCache(max_tokens, max_bytes) if max_tokens and max_bytes else None
+        cache_bytes = prefix_cache_budget(cfg.prefix_cache_bytes if prefix_cache_bytes is None else prefix_cache_bytes,
+                                          self.max_context_tokens, kv_bytes_per_token(model.config, self.model.dtype))
+        self._prefix_cache = PrefixCache(cache_bytes) if cache_bytes else None
         owned = itertools.chain(self.model.parameters(), self.model.buffers()) if owned_tensors is None else \
             owned_tensors
         self._memory = EngineMemory(owned)

@@ -30,8 +30,8 @@ BLOCK_TOKENS = 16
 """Tokens per shared, hashed block: entries shorter than this are not kept."""
 
 CONTEXTS_KEPT = 4
-"""Full-context prompts the default cache holds (`deployment.prefix_cache_tokens=None`). A prompt longer than the
-budget is never kept, so a budget below one context would serve nothing to an agent whose prompts approach it;
+"""Full-context prompts the default cache holds at most (`deployment.prefix_cache_bytes=None`). A prompt longer than
+the budget is never kept, so a budget below one context would serve nothing to an agent whose prompts approach it;
 with room for a few, a row's later draws and each session's next turn find their prefix even while other rows'
 prompts come and go. Memory is spent only on what is cached: a step of short prompts fills little of it."""
 
@@ -66,14 +66,13 @@ class CachedKV:
             start += piece.shape[3]
 
 
-def prefix_cache_bounds(tokens: int | None, max_bytes: int | None, context_tokens: int,
-                        token_bytes: int) -> tuple[int, int]:
-    """(tokens, bytes) the engine's prefix cache may hold; the cache is off when either is 0. `tokens`: as set, or
-    `CONTEXTS_KEPT` prompts of the context served; `max_bytes`: as set, or `DEFAULT_MAX_BYTES` but at least one
-    context's keys/values (`token_bytes` a token)."""
-    token_bound = CONTEXTS_KEPT * int(context_tokens) if tokens is None else int(tokens)
-    byte_bound = max(DEFAULT_MAX_BYTES, int(context_tokens) * token_bytes) if max_bytes is None else int(max_bytes)
-    return token_bound, byte_bound
+def prefix_cache_budget(configured: int | None, context_tokens: int, token_bytes: int) -> int:
+    """Bytes the engine's prefix cache may hold (0: off): `configured`, or unset, `DEFAULT_MAX_BYTES` but at least
+    one context's keys/values and at most `CONTEXTS_KEPT` contexts' (`token_bytes` a token)."""
+    if configured is not None:
+        return int(configured)
+    context_bytes = int(context_tokens) * token_bytes
+    return min(CONTEXTS_KEPT * context_bytes, max(DEFAULT_MAX_BYTES, context_bytes))
 
 
 @dataclass(eq=False)
@@ -108,15 +107,14 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class PrefixCache:
-    """Keys/values of token sequences, at most `max_tokens` tokens and `max_bytes` bytes in all (None: no byte
-    bound; a block shared by several entries counts once), least recently used entries evicted first.
+    """Keys/values of token sequences, at most `max_bytes` bytes in all (a block shared by several entries counts
+    once), least recently used entries evicted first.
 
     Owned by the engine thread (not thread-safe); `num_bytes` and `take_most_bytes` may be used from any thread.
     """
 
-    def __init__(self, max_tokens: int, max_bytes: int | None = None):
-        self.max_tokens = int(max_tokens)
-        self.max_bytes = None if max_bytes is None else int(max_bytes)
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
         self.num_tokens = 0
         """Tokens whose keys/values are held, a shared block's once."""
         self.num_bytes = 0
@@ -157,9 +155,10 @@ class PrefixCache:
     def add(self, tokens: Sequence[int], read_kv: Callable[[int, int], torch.Tensor]) -> None:
         """Keep the keys/values of `tokens`; `read_kv(start, end)` copies out those of tokens[start:end], (layers,
         2, H, end - start, D), and is called only for blocks no entry holds yet. Entries that `tokens` extends are
-        dropped; an entry that holds all of `tokens` is only marked used. A sequence longer than either bound is
-        not kept and evicts nothing, and neither is one whose block key another block holds for other tokens."""
-        if not BLOCK_TOKENS <= len(tokens) <= self.max_tokens or not self._fits(len(tokens) * self._token_bytes):
+        dropped; an entry that holds all of `tokens` is only marked used. A sequence larger than the bound is not
+        kept and evicts nothing (the first `add`, before a token's size is known, copies it to find out), and
+        neither is one whose block key another block holds for other tokens."""
+        if len(tokens) < BLOCK_TOKENS or not self._fits(len(tokens) * self._token_bytes):
             return
         array = np.asarray(tokens, dtype=np.int64)
         hashes = block_hashes(tokens)
@@ -195,7 +194,7 @@ class PrefixCache:
         for other in {other for h in hashes for other in self._by_end.get(h, ())} - {eid}:  # may be our prefixes
             if common_prefix(self._entries[other].tokens, array) == len(self._entries[other].tokens):
                 self._remove(other)  # its blocks stay: ours hold them too
-        while self.num_tokens > self.max_tokens or not self._fits(self.num_bytes):
+        while not self._fits(self.num_bytes):
             self._remove(next(iter(self._entries)))  # never the new entry: it fits alone, so it is never reached
         self._most_bytes = max(self._most_bytes, self.num_bytes)
 
@@ -215,7 +214,7 @@ class PrefixCache:
         self.num_bytes = 0
 
     def _fits(self, nbytes: int) -> bool:
-        return self.max_bytes is None or nbytes <= self.max_bytes
+        return nbytes <= self.max_bytes
 
     def _count(self, tokens: int, nbytes: int) -> None:
         self.num_tokens += tokens

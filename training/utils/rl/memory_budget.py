@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from training.utils.config.rl import RLConfig
 from training.utils.deploy import engine_dtype, shares_lora_base
-from training.utils.deploy.prefix_cache import prefix_cache_bounds
+from training.utils.deploy.prefix_cache import prefix_cache_budget
 from training.utils.errors import ConfigError
 from training.utils.models.frozen_casts import cast_of, kept_casts
 from training.utils.runtime import distributed
@@ -144,9 +144,7 @@ def estimate_memory(cfg: RLConfig, policy: Trainer, reference: Reference | None)
         token_bytes = kv_bytes_per_token(model.config, dtype)
         rows = cfg.deployment.max_batch_requests
         fixed[f"KV cache ({rows} rows x {context} tokens)"] = rows * context * token_bytes
-        max_tokens, max_bytes = prefix_cache_bounds(cfg.deployment.prefix_cache_tokens,
-                                                    cfg.deployment.prefix_cache_bytes, context, token_bytes)
-        prefix_cache = min(max_tokens * token_bytes, max_bytes)
+        prefix_cache = prefix_cache_budget(cfg.deployment.prefix_cache_bytes, context, token_bytes)
         prefix_cache_floor = min(prefix_cache, context * token_bytes)
     return MemoryEstimate(fixed, prefix_cache, prefix_cache_floor, policy.plan.max_tokens_per_microbatch,
                           policy.plan.gradient_checkpointing, working_set=_working_set(cfg, policy, text.vocab_size,

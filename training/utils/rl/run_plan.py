@@ -28,8 +28,8 @@ import torch
 
 from training.utils.config.rl import RLConfig
 from training.utils.deploy import Deployment, engine_dtype, engine_runs_over_casts, shares_lora_base
+from training.utils.errors import ConfigError
 from training.utils.models.frozen_casts import kept_casts
-from training.utils.rl.agent.server import shim_context_tokens
 from training.utils.rl.losses import eps_clip_high_in_effect
 from training.utils.rl.memory_budget import MemoryFit
 from training.utils.rl.rollout.types import SequenceLimit
@@ -93,10 +93,8 @@ class RunPlan:
     optimizer_steps: int
     """Optimizer steps the learning-rate schedule spans."""
     context_tokens: int | None
-    """The context the deployment serves: its prompt + completion limit."""
-    shim_context_tokens: int | None
-    """The agent shim's context limit (`agent_shim.max_context_tokens`, never past the deployment's); None without
-    a shim."""
+    """The run's one context limit, prompt + completion (`context_tokens`): the deployment serves it and the agent
+    shim fits every turn in it."""
     sequence_tokens: int | None
     """The longest segment a rollout may return (`max_sequence_tokens`, the model's positions, the deployment's
     context: the least), and `sequence_limit` what sets it."""
@@ -113,8 +111,6 @@ class RunPlan:
         plan, device = policy.plan, policy.device
         embedded = cfg.deployment.kind == "embedded"
         tis = cfg.tis_in_effect()
-        context = cfg.deployment.max_context_tokens or deployment.context_tokens
-        shim_context = shim_context_tokens(cfg.agent_shim, context) if cfg.agent_shim.enabled else None
         return cls(
             recipe=recipe, device=str(device), threads=policy.cpu_threads, precision=plan.precision,
             trainer_weight_dtype=_name(weights_dtype(plan.precision)), trainer_compute_dtype=_name(
@@ -130,8 +126,9 @@ class RunPlan:
             max_tokens_per_microbatch=plan.max_tokens_per_microbatch,
             gradient_checkpointing=plan.gradient_checkpointing, memory_budget=fit.outcome,
             prefix_cache_bytes=fit.prefix_cache_bytes if embedded else None, total_steps=total_steps,
-            optimizer_steps=plan.total_steps or optimizer_steps(cfg, total_steps), context_tokens=context,
-            shim_context_tokens=shim_context, sequence_tokens=None if limit is None else limit.tokens,
+            optimizer_steps=plan.total_steps or optimizer_steps(cfg, total_steps),
+            context_tokens=run_context_tokens(cfg, deployment),
+            sequence_tokens=None if limit is None else limit.tokens,
             sequence_limit=None if limit is None else limit.source, eval_interval=eval_interval,
         )
 
@@ -156,10 +153,19 @@ class RunPlan:
             f"{self.max_tokens_per_microbatch} tokens" + (", activations checkpointed"
                                                           if self.gradient_checkpointing else ""),
             f"memory    {self.memory_budget}",
-            f"limits    context {self.context_tokens}, sequence {self.sequence_tokens} ({self.sequence_limit})"
-            + (f", shim context {self.shim_context_tokens}" if self.shim_context_tokens is not None else ""),
+            f"limits    context {self.context_tokens}, sequence {self.sequence_tokens} ({self.sequence_limit})",
         ]
         return "run plan\n" + "\n".join("  " + line for line in lines)
+
+
+def run_context_tokens(cfg: RLConfig, deployment: Deployment) -> int | None:
+    """The run's context limit: `deployment.max_context_tokens`, else what the deployment serves (None when it does
+    not say). A ConfigError when it is set past what an external server serves, whose prompts would fail there."""
+    configured, served = cfg.deployment.max_context_tokens, deployment.context_tokens
+    if configured is not None and served is not None and configured > served:
+        raise ConfigError(f"deployment.max_context_tokens={configured} exceeds the {served} tokens the deployment "
+                          "serves (its max_model_len); leave it unset to use the deployment's, or lower it")
+    return configured or served
 
 
 def changes(saved: dict[str, Any] | None, plan: RunPlan) -> list[str]:

@@ -24,7 +24,7 @@ from training.utils.rl.dataset import as_rows, read_rows_file
 from training.utils.rl.memory_budget import MemoryFit
 from training.utils.rl.resume import check_resumable, model_identity
 from training.utils.rl.rollout.types import RolloutSetup, SequenceLimit, sequence_limit
-from training.utils.rl.run_plan import optimizer_steps as planned_optimizer_steps, trainer_plan
+from training.utils.rl.run_plan import optimizer_steps as planned_optimizer_steps, run_context_tokens, trainer_plan
 from training.utils.run_files.checkpoint import load_latest_verified, load_weights
 from training.utils.runtime import openmp
 from training.utils.sandbox.namespaces import AgentSandbox, choose_sandbox, protect_trainer
@@ -141,25 +141,16 @@ def rollout_sample_kwargs(cfg: RLConfig) -> dict[str, Any]:
                 stop=list(s.stop), timeout=s.timeout_s)
 
 
-def served_context_tokens(cfg: RLConfig, deployment: Deployment) -> int | None:
-    """The context a rollout's prompt and completion share: `deployment.max_context_tokens`, else what the
-    deployment serves (None when it does not say)."""
-    return cfg.deployment.max_context_tokens or deployment.context_tokens
-
-
-async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment,
-                           context_tokens: int | None = None) -> AgentShim | None:
-    """The agent shim sampling from `deployment`, started; None unless `cfg.agent_shim.enabled`. `context_tokens`:
-    the run plan's shim context, else the deployment's (`served_context_tokens`).
+async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment) -> AgentShim | None:
+    """The agent shim sampling from `deployment`, started, every turn within the run's context limit (the plan's
+    `context_tokens`); None unless `cfg.agent_shim.enabled`.
 
     Start it after the deployment and close it before: it samples from the deployment.
     """
     if not cfg.agent_shim.enabled:
         return None
-    # The shim checks `agent_shim.max_context_tokens` against the context given here, or asks the deployment.
     shim = AgentShim(deployment.sampler, tokenizer, cfg.agent_shim, rollout_sample_kwargs(cfg),
-                     model_name=deployment.model_name,
-                     context_tokens=context_tokens or served_context_tokens(cfg, deployment))
+                     model_name=deployment.model_name, context_tokens=run_context_tokens(cfg, deployment))
     await shim.start()
     return shim
 

@@ -84,8 +84,8 @@ def make_rollout_fn(setup: RolloutSetup):
     timeout_s = float(setup.extras.get("agent_timeout_s", 600.0))
     runs_log = setup.extras.get("runs_log")
     shim = setup.shim
-    context = shim.cfg.max_context_tokens
-    if context < cli.compacts_from:
+    context = shim.context_tokens
+    if context is not None and context < cli.compacts_from:
         logger.warning("agent %s compacts reliably only with a context of %d tokens or more; with %d, a run that "
                        "outgrows it exits non-zero (graded as it stands)", cli.name, cli.compacts_from, context)
 

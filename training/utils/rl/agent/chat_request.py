@@ -48,7 +48,7 @@ def overflow_message(prompt_tokens: int, limit: int) -> str:
     """The shim's own words for a prompt that leaves no room to generate; a wire whose clients act on their
     provider's words declares those instead (`WireFormat.overflow_message`)."""
     return (f"the prompt is {prompt_tokens} tokens, which leaves no room to generate within the context limit of "
-            f"{limit} tokens (agent_shim.max_context_tokens); shorten or compact the conversation")
+            f"{limit} tokens (deployment.max_context_tokens); shorten or compact the conversation")
 
 
 class ContextOverflowError(TrainingError, ValueError):

@@ -129,12 +129,12 @@ def longest_token_bytes(tokenizer) -> int:
     return longest * (NORMALIZER_SHRINK if normalized else 1)
 
 
-def body_limit(cfg: AgentShimConfig, token_bytes: int) -> int:
-    """`cfg.max_body_bytes`, or unset, the most bytes a prompt that fits the context can take as JSON (each of
-    its tokens `token_bytes` long, every byte escaped), at least `BODY_FLOOR_BYTES`."""
+def body_limit(cfg: AgentShimConfig, context_tokens: int | None, token_bytes: int) -> int:
+    """`cfg.max_body_bytes`, or unset, the most bytes a prompt that fits `context_tokens` can take as JSON (each
+    of its tokens `token_bytes` long, every byte escaped), at least `BODY_FLOOR_BYTES`."""
     if cfg.max_body_bytes is not None:
         return cfg.max_body_bytes
-    return max(BODY_FLOOR_BYTES, (cfg.max_context_tokens or 0) * token_bytes * JSON_ESCAPE_BYTES)
+    return max(BODY_FLOOR_BYTES, (context_tokens or 0) * token_bytes * JSON_ESCAPE_BYTES)
 
 
 def text_token_floor(chat: ChatRequest, token_bytes: int) -> tuple[int, int]:
@@ -229,7 +229,7 @@ def _refuse_past_context(what: str, size: int, floor: int, token_bytes: int, con
         raise EstimatedOverflowError(
             f"the {what} is {size} bytes, so at least {floor} tokens (no token covers more than "
             f"{token_bytes} bytes), which leaves no room to generate within the context limit of "
-            f"{context_tokens} tokens (agent_shim.max_context_tokens); shorten or compact the conversation",
+            f"{context_tokens} tokens (deployment.max_context_tokens); shorten or compact the conversation",
             floor,
             context_tokens,
         )
@@ -334,12 +334,13 @@ class RequestWorkers:
     Built with the app (`server.AgentShim`) and shut down with it (`close`, its cleanup).
     """
 
-    def __init__(self, tokenizer, cfg: AgentShimConfig):
+    def __init__(self, tokenizer, cfg: AgentShimConfig, context_tokens: int | None):
         self.timeout = cfg.request_timeout_s
         self.client_timeout = cfg.client_timeout_s
-        self.context_tokens = cfg.max_context_tokens
+        self.context_tokens = context_tokens
+        """The run's context limit (prompt + reply); None when the deployment does not say."""
         self.token_bytes = longest_token_bytes(tokenizer)
-        self.max_body_bytes = body_limit(cfg, self.token_bytes)
+        self.max_body_bytes = body_limit(cfg, context_tokens, self.token_bytes)
         """Also the app's `client_max_size`."""
         self.budget = BodyBudget(max(cfg.max_body_bytes_in_flight or BODIES_IN_FLIGHT * self.max_body_bytes,
                                      self.max_body_bytes))

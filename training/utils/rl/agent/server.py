@@ -39,7 +39,6 @@ from aiohttp import web
 from training.utils.config.rl import AgentShimConfig
 from training.utils.deploy.connections import ClientDeadlines
 from training.utils.deploy.http_client import auth_headers
-from training.utils.errors import ConfigError
 from training.utils.rl.agent import wire_anthropic, wire_openai, wire_openai_responses
 from training.utils.rl.agent.chat_format import ChatFormat
 from training.utils.rl.agent.chat_request import ChatRequest, ContextOverflowError, WireError
@@ -78,11 +77,10 @@ class AgentShim:
     except a smaller max_tokens and extra stop sequences. Prompts are rendered with the
     tokenizer's own chat template (`chat_format.ChatFormat`).
 
-    `context_tokens` is the deployment's context length (prompt + reply); None asks the
+    `context_tokens` is the run's context limit (prompt + reply: the run plan's `context_tokens`,
+    which is `deployment.max_context_tokens` or what the deployment serves); None asks the
     deployment at `start` (`GET /v1/models`, its `max_model_len`, as the embedded engine, vLLM
-    and SGLang report it). `start` then fills an unset `cfg.max_context_tokens` with it (a
-    configured one larger than it is a `ConfigError`), so every turn's max_tokens fits the
-    context however the shim was built.
+    and SGLang report it), so every turn's max_tokens fits the context however the shim was built.
 
     The wire formats' route handlers call it as a `wire_format.WireServer`: `session_for`,
     `count_tokens` and `model_call`.
@@ -108,7 +106,7 @@ class AgentShim:
         self.model_name = model_name
         """Reported by `GET /v1/models` and in replies to clients that send no model name."""
         self.context_tokens = context_tokens
-        """The deployment's context length; None until `start` asks the deployment (and if it does not say)."""
+        """The context limit every turn fits; None until `start` asks the deployment (and if it does not say)."""
         self.base_url: str | None = None
         self._runner: web.AppRunner | None = None
         self._deadlines = ClientDeadlines(cfg.client_timeout_s)
@@ -129,8 +127,6 @@ class AgentShim:
             return self.base_url
         if self.context_tokens is None:
             self.context_tokens = await served_context_tokens(self.sampler)
-        context = shim_context_tokens(self.cfg, self.context_tokens)
-        self.cfg = self.cfg.model_copy(update={"max_context_tokens": context})
         runner = web.AppRunner(self._make_app(), access_log=None, shutdown_timeout=5.0)
         try:
             await runner.setup()
@@ -170,6 +166,7 @@ class AgentShim:
             tokenizer=self.tokenizer,
             cfg=self.cfg,
             max_tokens=self.sample_kwargs["max_tokens"],
+            context_tokens=self.context_tokens,
             binder=self,
         ))
 
@@ -265,7 +262,7 @@ class AgentShim:
 
     def _make_app(self) -> web.Application:
         wires = list(WIRE_FORMATS.values())
-        workers = RequestWorkers(self.tokenizer, self.cfg)
+        workers = RequestWorkers(self.tokenizer, self.cfg, self.context_tokens)
         app = web.Application(middlewares=[self._deadlines.middleware, _error_middleware(wires)],
                               client_max_size=workers.max_body_bytes)
         app[REQUEST_WORKERS] = workers
@@ -346,18 +343,6 @@ async def served_context_tokens(sampler: Any, timeout_s: float = _CONTEXT_QUERY_
     models = listing.get("data") if isinstance(listing, dict) else None
     lengths = [m.get("max_model_len") for m in models or [] if isinstance(m, dict)]
     return next((n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
-
-
-def shim_context_tokens(cfg: AgentShimConfig, served: int | None) -> int | None:
-    """The shim's context limit: `cfg.max_context_tokens` when set (never past the deployment's), else `served`."""
-    if cfg.max_context_tokens is None:
-        return served
-    if served and cfg.max_context_tokens > served:
-        raise ConfigError(
-            f"agent_shim.max_context_tokens={cfg.max_context_tokens} exceeds the deployment's context of "
-            f"{served} tokens; leave it unset to use the deployment's, or lower it"
-        )
-    return cfg.max_context_tokens
 
 
 def _error_middleware(wires: list[WireFormat]):

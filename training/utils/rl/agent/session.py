@@ -179,7 +179,8 @@ class ShimSession:
     """
 
     def __init__(self, key: str, base_url: str, affinity: str, run_id: str | None, *, chat_format: ChatFormat,
-                 tokenizer: Any, cfg: AgentShimConfig, max_tokens: int, binder: Any = None):
+                 tokenizer: Any, cfg: AgentShimConfig, max_tokens: int, context_tokens: int | None,
+                 binder: Any = None):
         self.key = key
         self.base_url = base_url
         """Shim URL without `/v1` (Anthropic clients); OpenAI clients use `base_url + "/v1"`."""
@@ -203,6 +204,8 @@ class ShimSession:
         self.prompts = SessionPrompts(chat_format, tokenizer, key)
         self._cfg = cfg
         self._max_tokens = int(max_tokens)
+        self._context_tokens = context_tokens
+        """The run's context limit (prompt + reply); None when the deployment does not say."""
         self._fingerprinter = make_fingerprinter(cfg.turn_matching)
         self._tree = TurnTree()
         self._leaf: int | None = None
@@ -265,7 +268,7 @@ class ShimSession:
         units, decision, kind, key = match
         try:
             max_tokens, limited_by = turn_max_tokens(len(prompt.ids), trainer=self._max_tokens,
-                                                     client=request.max_tokens, context=self._cfg.max_context_tokens)
+                                                     client=request.max_tokens, context=self._context_tokens)
         except ContextOverflowError:
             self.count("context_overflows")
             raise
@@ -372,7 +375,7 @@ class ShimSession:
         if not selected:
             return []
         return self._tree.materialize(
-            selected, policy=self._cfg.stitching, max_context_tokens=self._cfg.max_context_tokens or 0
+            selected, policy=self._cfg.stitching, max_context_tokens=self._context_tokens or 0
         )
 
     def result(self, reward: float | None) -> list[Segment] | RolloutRun | None:
