@@ -298,6 +298,34 @@ def test_an_openai_responses_request_reads_top_to_bottom(tiny, tracer):
     check(asyncio.run(scenario()))
 
 
+def test_a_responses_request_carrying_sealed_reasoning_reads_top_to_bottom(tiny, tracer):
+    """Codex's way: `store: false`, the reasoning item sent back with only its `encrypted_content`, which the
+    shim opens to restore what was sampled."""
+    _, tok = tiny
+
+    async def scenario():
+        async with shim_stack(tiny) as (shim, spy):
+            spy.script = lambda i, c: scripted(tok, c, "<think>\nplan\n</think>\n" + CALL_TEXT) if i == 0 else c
+            session = shim.open_session(run_id="path")
+            client = openai_client(session)
+            items = [{"role": "user", "content": "read a.txt"}]
+            kwargs = dict(model="agent", instructions="You are terse.", tools=RESPONSES_TOOLS, max_output_tokens=16,
+                          store=False, include=["reasoning.encrypted_content"])
+            first, new = await traced(tracer, "openai responses with reasoning, a new turn (JSON)",
+                                      client.responses.create(input=items, **kwargs))
+            reasoning, *_ = first.output
+            (call,) = [item for item in first.output if item.type == "function_call"]
+            items += [{"type": "reasoning", "summary": [], "encrypted_content": reasoning.encrypted_content},
+                      *(item.model_dump(exclude_none=True) for item in first.output if item.type != "reasoning"),
+                      {"type": "function_call_output", "call_id": call.call_id, "output": "hello"}]
+            _, append = await traced(tracer, "openai responses, an APPEND carrying sealed reasoning (JSON)",
+                                     client.responses.create(input=items, **kwargs))
+            assert reasoning.type == "reasoning" and session.kinds == ["new", "append"]
+            return [("responses reasoning new", new), ("responses sealed reasoning append", append)]
+
+    check(asyncio.run(scenario()))
+
+
 def test_the_rules_catch_a_callback_and_a_module_left_and_entered_again():
     """The checks can fail: a visit calling back into its caller's module, and a caller alternating between two."""
     root = Visit("agent.server", "serve", None)

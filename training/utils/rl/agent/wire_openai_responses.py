@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -98,7 +99,7 @@ def responses_request(body: Any, seal: ReasoningSeal) -> ChatRequest:
         raise WireError("background is not supported: the shim answers each request while it is open",
                         param="background")
     unseen: list[UnseenPart] = []
-    messages = input_messages(_input_items(body.get("input")), seal, unseen)
+    messages, sealed = input_messages(_input_items(body.get("input")), unseen)
     system = body.get("instructions")
     if system is not None and not isinstance(system, str):
         raise WireError(f"instructions must be a string, got {type(system).__name__}", param="instructions")
@@ -106,7 +107,7 @@ def responses_request(body: Any, seal: ReasoningSeal) -> ChatRequest:
         lead = messages.pop(0)["content"]
         system = lead if system is None else f"{system}\n\n{lead}"
     include = chat_request.string_list(body, "include", allow_string=False)
-    return ChatRequest(
+    request = ChatRequest(
         system=system,
         messages=[system_reminder(m["content"]) if m["role"] == "system" else m for m in messages],
         tools=_tools(body.get("tools")),
@@ -117,6 +118,8 @@ def responses_request(body: Any, seal: ReasoningSeal) -> ChatRequest:
         unseen=unseen,
         logprobs=_logprobs_requested(body, include),
     )
+    open_reasoning(sealed, seal)  # last: every field is read before the blobs are opened
+    return request
 
 
 def _input_items(value: Any) -> list:
@@ -137,25 +140,49 @@ def _logprobs_requested(body: dict, include: list[str]) -> bool:
     return TEXT_LOGPROBS in include
 
 
-def input_messages(items: list, seal: ReasoningSeal, unseen: list[UnseenPart]) -> list[dict]:
-    """The chat messages of a list of input (or output) items, in order; system messages are the caller's to place."""
+@dataclass
+class SealedReasoning:
+    """A reply's reasoning carried as `encrypted_content`, read but not yet opened (`open_reasoning`)."""
+
+    message: dict
+    """The reply's chat message, which gets the reasoning as its `reasoning_content`."""
+    where: str
+    """The blob's field, for the 400 that names it."""
+    blob: str
+
+
+def input_messages(items: list, unseen: list[UnseenPart]) -> tuple[list[dict], list[SealedReasoning]]:
+    """The chat messages of a list of input (or output) items, in order (system messages are the caller's to
+    place), and the sealed reasoning of their replies, for `open_reasoning`."""
     messages: list[dict] = []
+    sealed: list[SealedReasoning] = []
     reply: _Reply | None = None
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = _item_type(item, where)
         rank = _REPLY_RANK.get(kind) if kind != "message" or item.get("role") == "assistant" else None
         if reply is not None and (rank is None or not reply.takes(rank)):
-            messages.append(reply.message())
+            messages.append(reply.message(sealed))
             reply = None
         if rank is None:
             messages.append(_chat_message(kind, item, where, unseen))
             continue
-        reply = reply or _Reply(seal)
+        reply = reply or _Reply()
         reply.add(kind, item, where, unseen)
     if reply is not None:
-        messages.append(reply.message())
-    return messages
+        messages.append(reply.message(sealed))
+    return messages, sealed
+
+
+def open_reasoning(sealed: list[SealedReasoning], seal: ReasoningSeal) -> None:
+    """Give each reply its sealed reasoning; a WireError 400 naming the blob when this session did not issue it, or
+    issued it with another reply."""
+    for item in sealed:
+        reasoning, identity = seal.open(item.blob, item.where)
+        if identity != reply_identity(item.message):
+            raise WireError(f"{item.where} was sent with another reply: a reasoning item goes back with the items "
+                            "that followed it in its response", param=item.where)
+        item.message["reasoning_content"] = reasoning
 
 
 def _item_type(item: Any, where: str) -> str:
@@ -193,13 +220,12 @@ def _content_text(content: Any, where: str, unseen: list[UnseenPart]) -> str:
 class _Reply:
     """The items of one assistant reply, gathered into one chat message."""
 
-    def __init__(self, seal: ReasoningSeal):
-        self._seal = seal
+    def __init__(self):
         self._rank = -1
         self._texts: list[str] = []
         self._tool_calls: list[dict] = []
         self._reasoning: str | None = None
-        self._sealed: tuple[str, str] | None = None  # (where, the identity of the reply the blob was sealed with)
+        self._sealed: tuple[str, str] | None = None  # (where, the blob): its reasoning, opened with the request's end
 
     def takes(self, rank: int) -> bool:
         """Whether an item of `rank` continues this reply (only calls may follow calls)."""
@@ -214,29 +240,27 @@ class _Reply:
         else:
             self._tool_calls.append(_function_call(item, where))
 
-    def message(self) -> dict:
-        """The reply as a chat message; a WireError when a sealed reasoning came with another reply."""
+    def message(self, sealed: list[SealedReasoning]) -> dict:
+        """The reply as a chat message; its reasoning, when sealed, goes to `sealed`, to be opened."""
         message: dict[str, Any] = {"role": "assistant", "content": "\n".join(self._texts)}
         if self._tool_calls:
             message["tool_calls"] = self._tool_calls
-        if self._sealed is not None and self._sealed[1] != reply_identity(message):
-            where = self._sealed[0]
-            raise WireError(f"{where} was sent with another reply: a reasoning item goes back with the items that "
-                            "followed it in its response", param=where)
-        if self._reasoning is not None:
+        if self._sealed is not None:
+            sealed.append(SealedReasoning(message, *self._sealed))
+        elif self._reasoning is not None:
             message["reasoning_content"] = self._reasoning
         return message
 
     def _reasoning_text(self, item: dict, where: str) -> str | None:
-        """The sealed reasoning when the item carries `encrypted_content`, else its `content` text (as a Chat
-        Completions client's echoed `reasoning_content` is taken), else None (a summary is not the reasoning)."""
+        """None when the item carries `encrypted_content` (kept sealed, to be opened), else its `content` text (as a
+        Chat Completions client's echoed `reasoning_content` is taken), else None (a summary is not the
+        reasoning)."""
         blob = item.get("encrypted_content")
         if blob is not None:
             if not isinstance(blob, str):
                 raise WireError(f"{where}.encrypted_content must be a string", param=f"{where}.encrypted_content")
-            reasoning, identity = self._seal.open(blob, f"{where}.encrypted_content")
-            self._sealed = (f"{where}.encrypted_content", identity)
-            return reasoning
+            self._sealed = (f"{where}.encrypted_content", blob)
+            return None
         content = item.get("content")
         if content is None:
             return None
@@ -305,7 +329,7 @@ def responses_response(
     visible += [_function_call_item(call) for call in parsed.tool_calls]
     output = visible
     if parsed.reasoning is not None:
-        (message,) = input_messages(visible, seal, [])
+        (message,), _ = input_messages(visible, [])  # no reasoning among them: nothing sealed
         blob = seal.seal(parsed.reasoning, reply_identity(message)) if encrypted_reasoning else None
         output = [_reasoning_item(parsed.reasoning, blob), *visible]
     return {
@@ -389,7 +413,8 @@ class ResponsesTurn:
 
     def echo(self, response: dict) -> dict:
         """The chat message `parse` makes of this response's output when a client sends it back."""
-        (message,) = input_messages(response["output"], self.seal, [])
+        (message,), sealed = input_messages(response["output"], [])
+        open_reasoning(sealed, self.seal)
         return message
 
     def overflow(self, message: str) -> web.Response | None:
