@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -121,6 +124,36 @@ def test_a_bad_environment_is_a_named_drop(tiny, behaviour, message):
     assert result.run is None and result.drop_reason == "recoverable:EnvironmentDrop"
     assert isinstance(result.error, EnvironmentDrop)
     assert message in str(result.error) and "environment 'guess' task 'game0'" in str(result.error)
+
+
+def test_the_server_stops_when_the_run_that_started_it_is_killed(tmp_path):
+    """A run killed outright (SIGKILL, or a second Ctrl-C, which skips every `finally`) leaves no environment server
+    behind: the server has the run as its parent and stops with it."""
+    started = tmp_path / "server"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, sys, time\n"
+        "from training.environments.openenv import openenv_server\n"
+        f"with openenv_server('openenv_guess:app', env={{'PYTHONPATH': {HERE!r} + ':' + ':'.join(sys.path)}}) as url:\n"
+        f"    pathlib.Path({str(started)!r}).write_text(url)\n"
+        "    time.sleep(600)\n")])
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() or not started.read_text():
+            assert parent.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        url = started.read_text()
+        urllib.request.urlopen(url + "/health", timeout=5).close()
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).close()
+        except OSError:
+            break  # refused: the server is gone
+        assert time.monotonic() < deadline, f"the environment server at {url} outlived the run that started it"
+        time.sleep(0.2)
 
 
 def test_a_nan_reward_reaches_the_client_as_null(tiny):

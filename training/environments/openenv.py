@@ -117,15 +117,31 @@ def from_openenv(
     return out
 
 
+_DIES_WITH_PARENT = """\
+import ctypes, os, runpy, signal, sys
+if sys.platform == "linux":
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(sys.argv[1]):
+        sys.exit("the run that started this server is gone")  # it died before the line above
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+"""The server's launcher: `python -c _DIES_WITH_PARENT <parent pid> <module> <args>` runs `python -m <module> <args>`,
+terminated when the process that started it dies however it dies (SIGKILL, a second Ctrl-C), so no environment
+server outlives its run. Linux only; elsewhere the `finally` of `openenv_server` alone stops it."""
+
+
 @contextlib.contextmanager
 def openenv_server(app: str, *, env: dict[str, str] | None = None,
                    start_timeout_s: float = SERVER_START_TIMEOUT_S) -> Iterator[str]:
     """Serve the OpenEnv app `app` (`"package.module:app"`, what its package's server module builds with
-    `create_app`) with uvicorn on 127.0.0.1 as a child process; yields its URL, stops it on exit."""
+    `create_app`) with uvicorn on 127.0.0.1 as a child process; yields its URL, stops it on exit, and on Linux it
+    also stops when this process dies without exiting the block (`_DIES_WITH_PARENT`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "-c", _DIES_WITH_PARENT, str(os.getpid()), "uvicorn", app, "--host", "127.0.0.1",
+           "--port", str(port), "--log-level", "warning"]
     # Its log goes to a file: a pipe nobody reads fills up and blocks the server mid-episode.
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, env=dict(os.environ, **(env or {})), stdout=log, stderr=subprocess.STDOUT,
