@@ -1,9 +1,9 @@
 """A two-step OpenEnv environment, written as openenv-core's users write one: two sums of single digits in a row.
 
 `reset(seed=...)` poses the first sum; each `step` scores the reply and poses the next, until both are answered.
-A reply scores 1 when it is the number itself (`"7"`, `"7."`); a reply that only contains it scores the number's
-length over the reply's, so a shorter reply scores more; each step's reward is half of that. Served as
-`training.examples.rl.openenv.arith_env:app` (`openenv_server` starts it with uvicorn).
+A reply scores 1 when it is the completed equation (`"3 + 4 = 7"`, a trailing period allowed), 0 otherwise; each
+step's reward is half of that. Served as `training.examples.rl.openenv.arith_env:app` (`openenv_server` starts it
+with uvicorn).
 """
 
 import random
@@ -24,11 +24,9 @@ class ArithObservation(Observation):
     message: str = ""
 
 
-def score(reply: str, answer: int) -> float:
-    text = reply.strip().rstrip(".")
-    if re.fullmatch(r"[+-]?0*\d+", text) and int(text) == answer:
-        return 1.0
-    return len(str(answer)) / len(text) if str(answer) in text else 0.0
+def score(reply: str, a: int, b: int) -> float:
+    equation = re.fullmatch(r"\s*(\d+)\s*\+\s*(\d+)\s*=\s*(\d+)\s*\.?\s*", reply)
+    return 1.0 if equation and tuple(map(int, equation.groups())) == (a, b, a + b) else 0.0
 
 
 class ArithEnvironment(Environment):
@@ -36,20 +34,21 @@ class ArithEnvironment(Environment):
 
     def __init__(self):
         super().__init__()
-        self.rng, self.answer, self.asked = random.Random(0), 0, 0
+        self.rng, self.terms, self.asked = random.Random(0), (0, 0), 0
 
     def _question(self) -> str:
         a, b = self.rng.randint(1, 9), self.rng.randint(1, 9)
-        self.answer, self.asked = a + b, self.asked + 1
-        return f"What is {a} + {b}?"
+        self.terms, self.asked = (a, b), self.asked + 1
+        return f"What is {a} + {b}? Reply with only the completed equation."
 
     def reset(self, seed=None, episode_id=None, **kwargs) -> ArithObservation:
         self.rng, self.asked = random.Random(seed), 0
         return ArithObservation(message=self._question(), reward=0.0)
 
     def step(self, action: ArithAction, timeout_s=None, **kwargs) -> ArithObservation:
-        reward = score(action.message, self.answer) / QUESTIONS
-        verdict = "Right." if reward * QUESTIONS == 1.0 else f"It was {self.answer}."
+        a, b = self.terms
+        reward = score(action.message, a, b) / QUESTIONS
+        verdict = "Right." if reward > 0 else f"It was {a} + {b} = {a + b}."
         if self.asked >= QUESTIONS:
             return ArithObservation(message=verdict, done=True, reward=reward)
         return ArithObservation(message=f"{verdict} {self._question()}", reward=reward)

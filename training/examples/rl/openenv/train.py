@@ -18,7 +18,6 @@ if __name__ == "__main__":
 from training import SamplingConfig, TrainerConfig, from_openenv, openenv_server
 from training.recipes.async_rl_loop import Config, main
 
-SYSTEM_PROMPT = "Reply with only the answer: one number, nothing else."
 ROWS = [{"id": f"train{i}", "reset": {"seed": i}} for i in range(512)]
 EVAL_ROWS = [{"id": f"eval{i}", "reset": {"seed": 1_000_000 + i}} for i in range(32)]
 """Other seeds, so other pairs of sums (the 81 single-digit pairs repeat across seeds; the pairs of two do less)."""
@@ -26,8 +25,8 @@ EVAL_ROWS = [{"id": f"eval{i}", "reset": {"seed": 1_000_000 + i}} for i in range
 cfg = Config(
     model="smollm2-135m-instruct", policy_loss="grpo", log_path="runs/openenv",
     completions_per_prompt=8, prompt_groups_per_step=8, max_steps=30, max_head_offpolicy_versions=1,
-    # A bare number fits in a few tokens; a reply still explaining itself at 8 is cut, and scores little.
-    sampling=SamplingConfig(max_tokens=8, temperature=1.0),
+    # The completed equation ("3 + 4 = 7") and its end fit in 12 tokens; a reply still explaining itself is cut.
+    sampling=SamplingConfig(max_tokens=12, temperature=1.0),
     # LoRA adapters in micro-batches of 512 tokens, as the reasoning_gym example (docs/lora-examples.md).
     trainer=TrainerConfig(lora_rank=16, learning_rate=1e-3, lr_schedule="cosine", min_lr_ratio=0.1,
                           max_tokens_per_microbatch=512),
@@ -36,5 +35,5 @@ cfg = Config(
 if __name__ == "__main__":
     with openenv_server("training.examples.rl.openenv.arith_env:app") as url:
         summary = main(cfg, **from_openenv(url, rows=ROWS, eval_rows=EVAL_ROWS, name="arith", max_turns=2,
-                                           system_prompt=SYSTEM_PROMPT, eval_samples_per_row=2))
+                                           eval_samples_per_row=2))
     print(json.dumps({k: summary[k] for k in ("steps", "ledger", "plots")}, indent=1))
