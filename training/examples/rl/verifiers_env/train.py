@@ -33,7 +33,8 @@ cfg = Config(
     completions_per_prompt=4, prompt_groups_per_step=4, max_steps=14, max_head_offpolicy_versions=1,
     # The sum and a few words fit; a reply still explaining at 24 tokens is cut, and is not concise.
     sampling=SamplingConfig(max_tokens=24, temperature=1.0),
-    trainer=TrainerConfig(lora_rank=16, learning_rate=1e-3, max_tokens_per_microbatch=512),
+    trainer=TrainerConfig(lora_rank=16, learning_rate=5e-4, lr_schedule="cosine", min_lr_ratio=0.1,
+                          max_tokens_per_microbatch=512),
     # The shim is the episode's model endpoint; an episode starts a tool server and a chat program of its own.
     agent_shim=AgentShimConfig(enabled=True), rollout_timeout_s=300,
 )

@@ -4,7 +4,7 @@ import re
 import verifiers.v1 as vf
 from digit_sums.tools import DigitSumsToolset
 
-SYSTEM_PROMPT = "Answer with the sum only."
+SYSTEM_PROMPT = "Reply with only the completed equation."
 
 
 class DigitSumsData(vf.TaskData):
