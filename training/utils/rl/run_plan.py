@@ -93,8 +93,8 @@ class RunPlan:
     optimizer_steps: int
     """Optimizer steps the learning-rate schedule spans."""
     context_tokens: int | None
-    """The run's one context limit, prompt + completion (`context_tokens`): the deployment serves it and the agent
-    shim fits every turn in it."""
+    """The run's one context limit, prompt + completion (`run_context_tokens`): the deployment serves it and the
+    agent shim fits every turn in it."""
     sequence_tokens: int | None
     """The longest segment a rollout may return (`max_sequence_tokens`, the model's positions, the deployment's
     context: the least), and `sequence_limit` what sets it."""

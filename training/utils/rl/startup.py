@@ -141,16 +141,17 @@ def rollout_sample_kwargs(cfg: RLConfig) -> dict[str, Any]:
                 stop=list(s.stop), timeout=s.timeout_s)
 
 
-async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment) -> AgentShim | None:
-    """The agent shim sampling from `deployment`, started, every turn within the run's context limit (the plan's
-    `context_tokens`); None unless `cfg.agent_shim.enabled`.
+async def start_agent_shim(cfg: RLConfig, tokenizer, deployment: Deployment,
+                           context_tokens: int | None) -> AgentShim | None:
+    """The agent shim sampling from `deployment`, started, every turn within `context_tokens` (the run's context
+    limit: the plan's, `run_plan.run_context_tokens`); None unless `cfg.agent_shim.enabled`.
 
     Start it after the deployment and close it before: it samples from the deployment.
     """
     if not cfg.agent_shim.enabled:
         return None
     shim = AgentShim(deployment.sampler, tokenizer, cfg.agent_shim, rollout_sample_kwargs(cfg),
-                     model_name=deployment.model_name, context_tokens=run_context_tokens(cfg, deployment))
+                     model_name=deployment.model_name, context_tokens=context_tokens)
     await shim.start()
     return shim
 
@@ -231,7 +232,7 @@ async def serve_policy(cfg: RLConfig, rollout_extras: dict[str, Any] | None = No
                                         sampling_timeout_s=cfg.sampling.timeout_s)
     shim = None
     try:
-        shim = await start_agent_shim(cfg, tokenizer, deployment)
+        shim = await start_agent_shim(cfg, tokenizer, deployment, run_context_tokens(cfg, deployment))
         yield make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim, sandbox=sandbox)
     finally:
         try:

@@ -396,7 +396,7 @@ async def run_recipe(loop: Loop, cfg: RLConfig, rows: list[dict[str, Any]], roll
         # may hold others (an external server keeps whatever an earlier run left in it).
         if start_step or deployment.syncs_at_start:
             await sync_deployment(deployment, worker, policy, start_step)
-        shim = await start_agent_shim(cfg, tokenizer, deployment)  # None unless enabled
+        shim = await start_agent_shim(cfg, tokenizer, deployment, plan.context_tokens)  # None unless enabled
         setup = make_rollout_setup(cfg, tokenizer, deployment, rollout_extras, shim=shim, sandbox=sandbox)
         run = TrainingRun(cfg=cfg, rows=rows, rng=rng, total_steps=total_steps, progress=progress, settings=settings,
                           policy=policy, reference=reference, kl=kl, tokenizer=tokenizer, worker=worker,
