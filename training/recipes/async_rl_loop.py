@@ -94,6 +94,9 @@ class Config(RLConfig):
             data = {**data, "max_head_offpolicy_versions": 0}
         return data
 
+    def samples_older_weights(self) -> bool:
+        return self.max_head_offpolicy_versions >= 1
+
     @model_validator(mode="after")
     def _check_async(self) -> Config:
         if self.synchronous_training and self.max_head_offpolicy_versions:

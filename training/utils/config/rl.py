@@ -343,13 +343,18 @@ class RLConfig(StrictModel):
                              f"{overlong.max_length or self.sampling.max_tokens} (None means sampling.max_tokens)")
         return self
 
+    def samples_older_weights(self) -> bool:
+        """Whether a batch may hold samples from weights older than the ones it trains (a recipe that overlaps
+        sampling with training says so: `async_rl_loop.Config`)."""
+        return False
+
     def tis_in_effect(self) -> TISConfig | None:
         """The correction a run applies: `tis`, and for `auto` token-level TIS when samples may come from older
-        weights (`max_head_offpolicy_versions` >= 1, an `async_rl_loop` field): without it the async recipe learned
-        worse than rl_loop (issue 28). The run plan records it."""
+        weights (`samples_older_weights`): without it the async recipe learned worse than rl_loop (issue 28). The
+        run plan records it."""
         if self.tis != "auto":
             return self.tis
-        return TISConfig() if getattr(self, "max_head_offpolicy_versions", 0) >= 1 else None
+        return TISConfig() if self.samples_older_weights() else None
 
     def effective_min_group_size(self) -> int:
         if self.min_group_size is not None:
