@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from training import SamplingConfig, TrainerConfig, sample_from_completion
 from training.recipes import async_rl_loop, rl_loop
@@ -17,6 +18,7 @@ from training.utils.rl import memory_budget, startup
 from training.utils.rl.memory_budget import estimate_memory
 from training.utils.rl.run_plan import RunPlan, changes
 from training.utils.run_files.logging import read_ledger
+from training.utils.runtime import cpu_kind
 
 ROWS = [{"id": f"r{i}", "prompt_token_ids": [1, 40 + i, 50, 60]} for i in range(4)]
 LIBRARY = Path(__file__).resolve().parents[1] / "training"
@@ -53,16 +55,29 @@ def test_the_ledgers_first_record_is_the_plan(tmp_path, caplog):
     assert all("plan" not in record for record in records[1:])
     # The suite runs with TRAINING_CPU_BF16=0: float32 throughout; GRPO's defaults; no budget; the tiny model's
     # 1024 positions are the engine's context and the longest segment.
-    assert plan | {"threads": None} == dict(
-        recipe="rl_loop", device="cpu", threads=None, precision="fp32", trainer_weight_dtype="float32",
+    assert plan | {"threads": None, "machine": None, "choices": None} == dict(
+        recipe="rl_loop", device="cpu", machine=None, threads=None, precision="fp32", trainer_weight_dtype="float32",
         trainer_compute_dtype="float32", engine_dtype="float32", decode_steps="eager", lora=False, lora_weights=None,
         frozen_weight_casts=False, compile_layers=False, share_prefixes=True, tis=None, min_group_size=2,
         eps_clip_high=0.2,
         max_tokens_per_microbatch=2048, gradient_checkpointing=False, memory_budget="no budget",
         prefix_cache_bytes=None, total_steps=2, optimizer_steps=2, context_tokens=1024,
-        sequence_tokens=1024, sequence_limit="the policy's context (its max_position_embeddings)", eval_interval=0)
+        sequence_tokens=1024, sequence_limit="the policy's context (its max_position_embeddings)", eval_interval=0,
+        choices=None)
+    kind = cpu_kind.cpu_kind()
+    assert plan["machine"] == kind.describe() and plan["threads"] == torch.get_num_threads() <= kind.usable_cores
+    # Why each machine-decided setting is what it is: the suite's TRAINING_CPU_BF16=0 decided the precision.
+    assert plan["choices"] == {
+        "precision": "auto: TRAINING_CPU_BF16=0", "threads": plan["choices"]["threads"],
+        "decode_steps": "auto: eager, CUDA graphs need CUDA", "max_tokens_per_microbatch": "as set",
+        "compile_layers": "as set (on a CPU compiling pays after about 40 steps: benchmarks/RESULTS.md)"}
+    assert plan["choices"]["threads"].startswith(f"{plan['threads']}")
     block = next(m for m in caplog.messages if m.startswith("run plan"))
-    assert "fp32 on cpu" in block and "micro-batches of 2048 tokens" in block and len(block.splitlines()) == 7
+    lines = block.splitlines()
+    assert "fp32 on cpu" in block and "micro-batches of 2048 tokens" in block and len(lines) == 8 + 5
+    assert lines[1] == f"  machine   {kind.describe()}"
+    assert lines[8] == "  why       precision: auto: TRAINING_CPU_BF16=0"
+    assert lines[9].startswith("            threads: ")
 
 
 @pytest.mark.parametrize("bf16", ["0", "1"], ids=["cpu_without_bf16", "cpu_with_bf16"])
@@ -143,6 +158,8 @@ def test_changes_names_each_value_and_skips_a_checkpoint_without_a_plan(tmp_path
     assert changes(None, current) == [] and changes(plan, current) == []
     assert changes(plan | {"precision": "bf16-autocast", "tis": {"level": "token"}}, current) == [
         "precision: 'bf16-autocast' -> 'fp32'", "tis: {'level': 'token'} -> None"]
+    assert changes(plan | {"choices": {"precision": "as set"}}, current) == [], "a reason is no setting"
+    assert changes(plan | {"machine": "another CPU"}, current) == [f"machine: 'another CPU' -> {plan['machine']!r}"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         current.precision = "bf16"
 

@@ -291,6 +291,16 @@ def test_utilisation_divides_what_grew_since_the_last_step(probes, monkeypatch):
     assert "trainer 0.2% of the float32 peak (the engine computed on the same cores for 38% of it)" in text
     assert ("decode 64 tokens/s of the 5532932 its bounds allow (5532932 at the float32 peak, 181818182 at the memory "
             "bandwidth)") in text
+    assert "trainer_mfu_alone" not in summary, "no step had the cores to itself"
+    # A third step in which the engine computed beside the trainer for 5% of it: the trainer had the cores to itself.
+    policy.flops = 6e9
+    shared_seconds[0] = 7.80
+    third = utilisation.step_metrics(times, policy, None, deployment)
+    assert third["perf/trainer_mfu_alone"] == third["perf/trainer_mfu"] == pytest.approx(2e9 / 1e12)
+    assert utilisation.summary()["trainer_mfu_alone"] == pytest.approx(2e9 / 1.0 / 1e12)
+    assert utilisation.summary()["trainer_mfu"] == pytest.approx(6e9 / 3.0 / 1e12)
+    assert ("trainer 0.2% of the float32 peak (the engine computed on the same cores for 27% of it; 0.2% on the steps "
+            "it had them to itself)") in utilisation.summary_text()
 
 
 def test_an_external_server_gets_no_engine_utilisation(probes):

@@ -33,6 +33,7 @@ from training.utils.models.frozen_casts import kept_casts
 from training.utils.rl.losses import eps_clip_high_in_effect
 from training.utils.rl.memory_budget import MemoryFit
 from training.utils.rl.rollout.types import SequenceLimit
+from training.utils.runtime import cpu_kind
 from training.utils.trainer import Trainer
 from training.utils.trainer.plan import TrainerPlan
 from training.utils.trainer.precision import compute_dtype, weights_dtype
@@ -41,11 +42,14 @@ log = logging.getLogger("training")
 
 
 def trainer_plan(cfg: RLConfig, device: torch.device, total_steps: int) -> TrainerPlan:
-    """The policy trainer's slice, before it is built: its precision on `device`, whether it keeps bfloat16 casts of
+    """The policy trainer's slice, before it is built: torch's threads on a CPU (fitted to its usable cores), its
+    precision on `device`, whether it keeps bfloat16 casts of
     its frozen weights (only where the deployment will run over them, `deploy.engine_runs_over_casts`), and the
     optimizer steps its schedule spans (`total_steps` batches x PPO epochs x minibatches, unless set)."""
-    return TrainerPlan.resolve(cfg.trainer, device, optimizer_steps=optimizer_steps(cfg, total_steps),
+    threads = cpu_kind.fit_torch_threads() if device.type == "cpu" else None  # before any trainer or engine thread
+    plan = TrainerPlan.resolve(cfg.trainer, device, optimizer_steps=optimizer_steps(cfg, total_steps),
                                engine_over_casts=engine_runs_over_casts(cfg.deployment, device))
+    return plan if threads is None else plan.with_threads(threads)
 
 
 def optimizer_steps(cfg: RLConfig, total_steps: int) -> int:
@@ -58,6 +62,8 @@ class RunPlan:
 
     recipe: str
     device: str
+    machine: str
+    """The CPU's kind (`cpu_kind`: model, family, matrix instructions, usable cores), and the GPU's name on CUDA."""
     threads: int
     """torch's intra-op threads for the trainer's CPU work."""
     precision: str
@@ -102,6 +108,9 @@ class RunPlan:
 
     eval_interval: int
     """Steps between evaluations: `eval_interval`, or `main(..., evaluation_interval=)`."""
+    choices: dict[str, str]
+    """Why each setting the machine decides is what it is: `precision`, `threads`, `decode_steps`,
+    `max_tokens_per_microbatch`, `compile_layers` (printed under "why"; not compared on resume, the values are)."""
 
     @classmethod
     def build(cls, cfg: RLConfig, *, recipe: str, policy: Trainer, fit: MemoryFit, total_steps: int,
@@ -112,7 +121,8 @@ class RunPlan:
         embedded = cfg.deployment.kind == "embedded"
         tis = cfg.tis_in_effect()
         return cls(
-            recipe=recipe, device=str(device), threads=policy.cpu_threads, precision=plan.precision,
+            recipe=recipe, device=str(device), machine=machine_name(device), threads=policy.cpu_threads,
+            precision=plan.precision,
             trainer_weight_dtype=_name(weights_dtype(plan.precision)), trainer_compute_dtype=_name(
                 compute_dtype(plan.precision)),
             engine_dtype=_name(engine_dtype(cfg.deployment, device)) if embedded else None,
@@ -130,6 +140,7 @@ class RunPlan:
             context_tokens=run_context_tokens(cfg, deployment),
             sequence_tokens=None if limit is None else limit.tokens,
             sequence_limit=None if limit is None else limit.source, eval_interval=eval_interval,
+            choices=setting_choices(cfg, plan, deployment.decode_steps if embedded else None),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,7 +166,39 @@ class RunPlan:
             f"memory    {self.memory_budget}",
             f"limits    context {self.context_tokens}, sequence {self.sequence_tokens} ({self.sequence_limit})",
         ]
+        lines.insert(0, f"machine   {self.machine}")
+        lines += [("why       " if i == 0 else " " * 10) + f"{name}: {reason}"
+                  for i, (name, reason) in enumerate(self.choices.items())]
         return "run plan\n" + "\n".join("  " + line for line in lines)
+
+
+def machine_name(device: torch.device) -> str:
+    """What the run plan names the machine by: the CPU's kind, and the GPU's name before it on CUDA."""
+    cpu = cpu_kind.cpu_kind().describe()
+    return f"{torch.cuda.get_device_name(device)}; CPU {cpu}" if device.type == "cuda" else cpu
+
+
+def setting_choices(cfg: RLConfig, plan: TrainerPlan, decode_steps: str | None) -> dict[str, str]:
+    """Why the machine-dependent settings are what they are (`RunPlan.choices`); `decode_steps` is what the
+    embedded engine runs (None without one)."""
+    choices = {"precision": plan.precision_reason}
+    if plan.threads_reason is not None:
+        choices["threads"] = plan.threads_reason
+    if decode_steps is not None:
+        requested = cfg.deployment.decode_steps
+        if requested == decode_steps:
+            choices["decode_steps"] = "as set"
+        elif requested == "auto":
+            choices["decode_steps"] = (f"auto: {decode_steps}" + (", CUDA graphs need CUDA" if decode_steps == "eager"
+                                                                  else ", self-checked against eager steps"))
+        else:
+            choices["decode_steps"] = f"{requested} failed its start-up self-check (warned), so {decode_steps}"
+    lowered = plan.max_tokens_per_microbatch != cfg.trainer.max_tokens_per_microbatch
+    choices["max_tokens_per_microbatch"] = (f"lowered from {cfg.trainer.max_tokens_per_microbatch} by memory_budget_gib"
+                                            if lowered else "as set")
+    choices["compile_layers"] = "as set" + ("" if cfg.trainer.compile_layers else
+                                            " (on a CPU compiling pays after about 40 steps: benchmarks/RESULTS.md)")
+    return choices
 
 
 def run_context_tokens(cfg: RLConfig, deployment: Deployment) -> int | None:
@@ -168,6 +211,10 @@ def run_context_tokens(cfg: RLConfig, deployment: Deployment) -> int | None:
     return configured or served
 
 
+UNCOMPARED = ("choices",)
+"""Plan fields a resume does not compare: the reasons, not settings (each setting they explain is compared)."""
+
+
 def changes(saved: dict[str, Any] | None, plan: RunPlan) -> list[str]:
     """What differs between a checkpoint's saved plan and this run's, one `name: old -> new` each; [] when the
     checkpoint saved none (written before plans) or nothing changed."""
@@ -175,7 +222,7 @@ def changes(saved: dict[str, Any] | None, plan: RunPlan) -> list[str]:
         return []
     current = plan.to_dict()
     return [f"{name}: {saved.get(name)!r} -> {value!r}" for name, value in current.items()
-            if name in saved and saved[name] != value]
+            if name in saved and saved[name] != value and name not in UNCOMPARED]
 
 
 def report_plan(plan: RunPlan, progress: dict[str, Any], *, console: bool) -> list[str]:

@@ -25,7 +25,9 @@ FLOPs over its prefill time and the peak of its dtype (`engine_prefill_mfu`); it
 the machine sets, reading the weights at the memory bandwidth (`engine_decode_bound_tokens_per_s`) and their matmuls
 at the peak (`engine_decode_compute_bound_tokens_per_s`): with many rows a step on a CPU is bound by arithmetic.
 With an embedded engine beside a CPU trainer, `trainer_cpu_shared_frac`: the share of `train_time` in which the
-engine computed on the same cores (`cpu_share.shared_seconds`), where both run slower than alone. `cpu_util`: the
+engine computed on the same cores (`cpu_share.shared_seconds`), where both run slower than alone, and on the steps
+where it computed beside the trainer for at most `ALONE_SHARED_FRAC` of it, `trainer_mfu_alone`: the trainer's MFU
+with the cores to itself. `cpu_util`: the
 process's CPU seconds (every thread: trainer, engine, event loop, OpenMP workers) ÷ the wall time ÷ the cores it may
 run on, since the previous step; below 1 a core idled, whatever the reason (a serial phase, a lock, waiting). The peaks
 come from `machine_peak`, measured once per machine and cached. At the end of a run, `Utilisation.summary_text()`:
@@ -38,7 +40,6 @@ of the runs that report raw logprobs.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from training.utils.models.flops import cached_forward_flops, forward_flops
 from training.utils.rl.rollout.types import PromptGroup, RolloutRun
 from training.utils.rl.train_step import PHASES
 from training.utils.runtime import cpu_share, machine_peak
+from training.utils.runtime.cpu_kind import usable_cores
 from training.utils.trainer import Reference, Trainer, compute_dtype
 
 ENGINE_COUNTERS = {
@@ -135,10 +137,9 @@ class EngineCounters:
         return metrics
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, which a container or `taskset` narrows)."""
-    return len(os.sched_getaffinity(0))
-
+ALONE_SHARED_FRAC = 0.1
+"""A step whose trainer shared the cores with the engine for at most this share of its train time had them to itself:
+its MFU (`perf/trainer_mfu_alone`) is what the trainer reaches on this machine, apart from the engine's competition."""
 
 STEP_PARTS = ("rollout_wait", "train", "weight_sync")
 """The parts of a step the summary shares its time among (`perf/<part>_time`); the trainer's phases (`PHASES`)
@@ -232,6 +233,10 @@ class Utilisation:
             self.totals["cpu_shared_s"] += shared
             self.totals["cpu_shared_train_time"] += train_time
             metrics["perf/trainer_cpu_shared_frac"] = shared / train_time
+            if shared / train_time <= ALONE_SHARED_FRAC:  # the cores to itself: what the trainer alone reaches
+                self.totals["alone_trainer_flops"] += flops
+                self.totals["alone_trainer_time"] += train_time
+                metrics["perf/trainer_mfu_alone"] = metrics["perf/trainer_mfu"]
         return metrics
 
     def _engine(self, stats: dict, policy: Trainer) -> dict[str, float]:
@@ -277,6 +282,8 @@ class Utilisation:
             summary["trainer_mfu"] = t["trainer_flops"] / t["trainer_time"] / self.peaks["trainer"]
         if t["cpu_shared_train_time"] > 0:
             summary["trainer_cpu_shared_frac"] = t["cpu_shared_s"] / t["cpu_shared_train_time"]
+        if t["alone_trainer_time"] > 0:
+            summary["trainer_mfu_alone"] = t["alone_trainer_flops"] / t["alone_trainer_time"] / self.peaks["trainer"]
         if t["prefill_time"] > 0:
             summary["engine_prefill_mfu"] = t["prefill_flops"] / t["prefill_time"] / self.peaks["engine"]
         if t["decode_time_s"] > 0:
@@ -297,7 +304,9 @@ class Utilisation:
         if "trainer_mfu" in s:
             use.append(f"trainer {s['trainer_mfu']:.1%} of the {self.dtypes['trainer']} peak")
             if s.get("trainer_cpu_shared_frac", 0) > 0:
-                use[-1] += f" (the engine computed on the same cores for {s['trainer_cpu_shared_frac']:.0%} of it)"
+                use[-1] += f" (the engine computed on the same cores for {s['trainer_cpu_shared_frac']:.0%} of it"
+                use[-1] += (f"; {s['trainer_mfu_alone']:.1%} on the steps it had them to itself)"
+                            if "trainer_mfu_alone" in s else ")")
         if "engine_prefill_mfu" in s:
             use.append(f"engine prefill {s['engine_prefill_mfu']:.1%} of the {self.dtypes['engine']} peak")
         if "engine_decode_tokens_per_s" in s:

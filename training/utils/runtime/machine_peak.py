@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 from training.utils.models.load import cache_dir, native_bf16
+from training.utils.runtime.cpu_kind import cpu_kind
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +58,13 @@ class Measurement:
     """Where it came from: `datasheet <model>`, `cache` or `probe`."""
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo, else what the platform reports."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    names = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or platform.machine()
-
-
 def machine_key(device: torch.device) -> str:
-    """What a measurement belongs to: the GPU's name, the CPU model, its cores and torch's intra-op threads (on a
-    CPU they set the peak), and torch's version (its kernels)."""
-    parts = [cpu_model(), f"{os.cpu_count()} cpus", f"{torch.get_num_threads()} threads", f"torch {torch.__version__}"]
+    """What a measurement belongs to: the GPU's name, or the CPU's kind (model name, family, model and matrix
+    instructions: generic names such as "AMD EPYC" cover kinds whose peaks differ several times, `cpu_kind`), its
+    cores and torch's intra-op threads (on a CPU they set the peak), and torch's version (its kernels)."""
+    kind = cpu_kind()
+    cpu = kind.name() + (f" [{' '.join(sorted(kind.flags))}]" if kind.flags else "")
+    parts = [cpu, f"{os.cpu_count()} cpus", f"{torch.get_num_threads()} threads", f"torch {torch.__version__}"]
     if device.type == "cuda":
         parts.insert(0, torch.cuda.get_device_name(device))
     return " | ".join(parts)

@@ -10,7 +10,7 @@ import torch
 
 from training.utils.config.trainer import TrainerConfig
 from training.utils.trainer.activation_checkpointing import enable_activation_checkpointing
-from training.utils.trainer.precision import resolve_precision
+from training.utils.trainer.precision import precision_choice
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,10 @@ class TrainerPlan:
     """The micro-batch token budget: as set, or lowered by `memory_budget_gib`."""
     gradient_checkpointing: bool
     """As set, or turned on by `memory_budget_gib`."""
+    precision_reason: str = "as set"
+    """Why `precision` is what it is (`precision.precision_choice`), for the run plan."""
+    threads_reason: str | None = None
+    """Why torch runs the threads it runs (`cpu_kind.fit_torch_threads`), where a run fitted them at start-up."""
 
     @classmethod
     def resolve(cls, cfg: TrainerConfig, device: torch.device, *, optimizer_steps: int | None = None,
@@ -35,14 +39,18 @@ class TrainerPlan:
         """The plan of a trainer on `device`: `optimizer_steps` the run plans (None: `cfg.total_steps` only), and
         whether a deployment will run over the frozen casts (`deploy.engine_runs_over_casts`; without one, `auto`
         keeps them: they pay for the trainer's own forwards)."""
-        precision = resolve_precision(cfg, device)
+        precision, precision_reason = precision_choice(cfg, device)
         # `auto`: on a CPU, where the copy saves a cast per use and the engine can run over it; `on`: anywhere.
         casts = cfg.frozen_weight_casts == "on" or (cfg.frozen_weight_casts == "auto" and engine_over_casts
                                                     and device.type == "cpu")
         return cls(precision=precision, frozen_weight_casts=casts and precision == "bf16-autocast",
                    total_steps=cfg.total_steps if cfg.total_steps is not None else optimizer_steps,
                    max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
-                   gradient_checkpointing=cfg.gradient_checkpointing)
+                   gradient_checkpointing=cfg.gradient_checkpointing, precision_reason=precision_reason)
+
+    def with_threads(self, reason: str) -> TrainerPlan:
+        """This plan with why the run's torch threads are what they are (`cpu_kind.fit_torch_threads`)."""
+        return dataclasses.replace(self, threads_reason=reason)
 
     def fitted(self, *, max_tokens_per_microbatch: int, gradient_checkpointing: bool) -> TrainerPlan:
         """This plan with the memory budget's decision (`rl/memory_budget.py`), made once at start-up."""
