@@ -63,8 +63,9 @@ class TrainerConfig(StrictModel):
     """Trainer numerics. `fp32`: float32 everywhere. `bf16-autocast`: float32 weights, gradients and AdamW state,
     matmuls in bfloat16 under autocast. `bf16`: bfloat16 weights and AdamW state (half the memory, but an update
     smaller than a weight's bf16 resolution is lost). `auto`: bf16-autocast where bf16 compute is native (CUDA,
-    and CPUs with AVX512-BF16 or AMX, detected at run time), fp32 elsewhere. The reference model uses the same
-    numerics as the policy."""
+    and CPUs with AVX512-BF16 or AMX, detected at run time, whose bf16 GEMMs measure at least 1.25x their float32
+    ones: otherwise float32, with a warning), fp32 elsewhere; the run plan says which and why. The reference model
+    uses the same numerics as the policy."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory: each decoder layer keeps its input and its
     attention kernel's output (sdpa's fused kernels), and recomputes its projections, norms and MLP (with LoRA,
