@@ -48,6 +48,7 @@ def test_an_arm_cpuinfo_without_x86_fields_still_names_a_kind():
     name, family, model, flags = parse_cpuinfo("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd bf16\n")
     kind = CpuKind(name, family, model, flags, 4, None)
     assert family is None and model is None and not flags and kind.name() == name != ""
+    assert kind.isa().endswith(", no x86 flags")
 
 
 @pytest.mark.parametrize(("files", "cores"), [

@@ -28,8 +28,9 @@ With an embedded engine beside a CPU trainer, `trainer_cpu_shared_frac`: the sha
 engine computed on the same cores (`cpu_share.shared_seconds`), where both run slower than alone, and on the steps
 where it computed beside the trainer for at most `ALONE_SHARED_FRAC` of it, `trainer_mfu_alone`: the trainer's MFU
 with the cores to itself. `cpu_util`: the
-process's CPU seconds (every thread: trainer, engine, event loop, OpenMP workers) ÷ the wall time ÷ the cores it may
-run on, since the previous step; below 1 a core idled, whatever the reason (a serial phase, a lock, waiting). The peaks
+process's CPU seconds (every thread: trainer, engine, event loop, OpenMP workers; and the child processes it has
+reaped, such as the agents a rollout ran) ÷ the wall time ÷ the cores it may run on, since the previous step;
+below 1 a core idled, whatever the reason (a serial phase, a lock, waiting). The peaks
 come from `machine_peak`, measured once per machine and cached. At the end of a run, `Utilisation.summary_text()`:
 where the step time went, and the run's mean utilisation.
 
@@ -40,6 +41,7 @@ of the runs that report raw logprobs.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -187,8 +189,10 @@ class Utilisation:
 
     @staticmethod
     def cpu_clocks() -> dict[str, float]:
-        # process_time: every thread's user and system seconds, not the children's (an agent process's are its own)
-        return {"cpu_s": time.process_time(), "wall_s": time.monotonic()}
+        # Every thread's user and system seconds, and those of the child processes the run has reaped: the agent
+        # processes a rollout starts (their sandbox's init reaps each and is reaped in turn) compute for the run too.
+        own, children = time.process_time(), os.times()
+        return {"cpu_s": own + children.children_user + children.children_system, "wall_s": time.monotonic()}
 
     def step_metrics(self, metrics: dict, policy: Trainer, reference: Reference | None,
                      deployment: Deployment) -> dict[str, float]:

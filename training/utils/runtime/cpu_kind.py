@@ -49,6 +49,8 @@ class CpuKind:
     def isa(self) -> str:
         """The matrix instructions, e.g. "AVX512-BF16, no AMX" or "AVX2, no AVX512, no bf16"."""
         has = self.flags.__contains__
+        if self.family is None and not self.flags:  # not x86 (Arm reports neither): torch's cpuinfo decides bf16
+            return f"{platform.machine()}, no x86 flags"
         if has("amx_bf16"):
             return "AMX-BF16, AVX512-BF16" if has("avx512_bf16") else "AMX-BF16"
         if has("avx512_bf16"):

@@ -21,9 +21,10 @@ When the machine runs out of memory, the kernel's OOM killer takes the sandbox f
 `oom_score_adj` to the maximum (raising it needs no privilege), which every process the agent starts inherits, so an
 agent that allocates without bound is killed rather than the trainer.
 
-Every process of the sandbox dies with this one: when it exits, the pid namespace ends (it is its init with
-`unshare`; bubblewrap's init follows its child), and with it every process the agent started, `setsid` daemons
-included.
+Every process of the sandbox dies with this one: when it exits, the pid namespace ends (it is its init: `unshare
+--fork` and bubblewrap's `--as-pid-1` start it as pid 1), and with it every process the agent started, `setsid`
+daemons included. Reaping the agent (and the orphans it leaves) also hands their CPU time up to the trainer's
+process, where `perf/cpu_util` counts it.
 """
 
 import ctypes

@@ -169,7 +169,10 @@ class AgentSandbox:
         if self.kind == "unshare":
             user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
             return ["unshare", *user, "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts"]
-        args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+        # `--as-pid-1`: our init is the namespace's, and reaps what the agent leaves; under bubblewrap's own reaper
+        # the agent's CPU time never reached this process (`os.times()`'s children), which `perf/cpu_util` counts.
+        args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--as-pid-1", "--unshare-net",
+                "--unshare-ipc",
                 "--unshare-uts", "--unshare-cgroup-try", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         if os.geteuid() == 0:
             args += ["--cap-drop", "ALL"]
