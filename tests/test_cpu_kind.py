@@ -9,7 +9,8 @@ import logging
 import pytest
 import torch
 
-from training import TrainerConfig
+from training import DeploymentConfig, TrainerConfig
+from training.utils.deploy.embedded import engine_dtype
 from training.utils.runtime import cpu_kind, machine_peak
 from training.utils.runtime.cpu_kind import CpuKind, cgroup_quota_cores, parse_cpuinfo
 from training.utils.trainer import precision
@@ -103,7 +104,8 @@ def test_two_kinds_of_one_name_keep_their_peaks_apart(monkeypatch):
                          ids=["bf16_faster", "bf16_no_faster"])
 def test_auto_trains_in_bf16_only_where_its_gemms_measure_faster(monkeypatch, caplog, bf16_gflops, chosen):
     monkeypatch.delenv("TRAINING_CPU_BF16", raising=False)
-    monkeypatch.setattr(precision, "native_bf16", lambda device: True)  # a CPU that reports bf16 instructions
+    monkeypatch.setattr(machine_peak, "native_bf16", lambda device: True)  # a CPU that reports bf16 instructions
+    monkeypatch.setattr(machine_peak, "_warned_slow_bf16", set())
     peaks = {torch.bfloat16: bf16_gflops * 1e9, torch.float32: 100e9}
     monkeypatch.setattr(machine_peak, "peak_flops",
                         lambda device, dtype: machine_peak.Measurement(peaks[dtype], "cache"))
@@ -112,7 +114,10 @@ def test_auto_trains_in_bf16_only_where_its_gemms_measure_faster(monkeypatch, ca
     assert got == chosen
     ratio = f"{bf16_gflops / 100:.1f}x float32's ({bf16_gflops:.0f} against 100 GFLOP/s)"
     assert ratio in reason
-    warned = [m for m in caplog.messages if "trains in float32" in m]
+    # The embedded engine's `auto` dtype makes the same choice (one home: `machine_peak.fast_bf16`).
+    assert engine_dtype(DeploymentConfig(), torch.device("cpu")) == (
+        torch.bfloat16 if chosen == "bf16-autocast" else torch.float32)
+    warned = [m for m in caplog.messages if "'auto' runs in float32" in m]
     assert len(warned) == (chosen == "fp32"), "the fallback says why, once; the bf16 choice is silent"
     # What the user sets is kept, measured or not.
     assert precision.precision_choice(TrainerConfig(precision="bf16-autocast"), torch.device("cpu")) == (

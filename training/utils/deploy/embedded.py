@@ -23,7 +23,7 @@ from training.utils.deploy.handle import DeploymentHandle, weight_dir_for
 from training.utils.deploy.sampler import Sampler
 from training.utils.deploy.server import InferenceServer
 from training.utils.deploy.weight_sync import make_weight_sync
-from training.utils.models.load import native_bf16
+from training.utils.runtime import machine_peak
 
 
 @dataclass(kw_only=True)
@@ -112,8 +112,9 @@ async def start_embedded_deployment(
 
 
 def engine_dtype(cfg: DeploymentConfig, device: torch.device) -> torch.dtype:
-    """The embedded engine's weight dtype: `cfg.dtype`, or bfloat16 where it is native (`model.native_bf16`: CUDA,
-    CPUs with AVX512-BF16 or AMX) and float32 elsewhere."""
+    """The embedded engine's weight dtype: `cfg.dtype`, or bfloat16 where it pays (`machine_peak.fast_bf16`, the
+    check the trainer's `auto` precision makes: CUDA, CPUs with AVX512-BF16 or AMX measured faster in bf16) and
+    float32 elsewhere."""
     if cfg.dtype != "auto":
         return getattr(torch, cfg.dtype)
-    return torch.bfloat16 if native_bf16(device) else torch.float32
+    return torch.bfloat16 if machine_peak.fast_bf16(device)[0] else torch.float32

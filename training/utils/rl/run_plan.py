@@ -43,9 +43,9 @@ log = logging.getLogger("training")
 
 def trainer_plan(cfg: RLConfig, device: torch.device, total_steps: int) -> TrainerPlan:
     """The policy trainer's slice, before it is built: torch's threads on a CPU (fitted to its usable cores), its
-    precision on `device`, whether it keeps bfloat16 casts of
-    its frozen weights (only where the deployment will run over them, `deploy.engine_runs_over_casts`), and the
-    optimizer steps its schedule spans (`total_steps` batches x PPO epochs x minibatches, unless set)."""
+    precision on `device`, whether it keeps bfloat16 casts of its frozen weights (only where the deployment will run
+    over them, `deploy.engine_runs_over_casts`), and the optimizer steps its schedule spans (`total_steps` batches x
+    PPO epochs x minibatches, unless set)."""
     threads = cpu_kind.fit_torch_threads() if device.type == "cpu" else None  # before any trainer or engine thread
     plan = TrainerPlan.resolve(cfg.trainer, device, optimizer_steps=optimizer_steps(cfg, total_steps),
                                engine_over_casts=engine_runs_over_casts(cfg.deployment, device))

@@ -96,6 +96,39 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype) -> Measurement:
     return cached(device, str(dtype).removeprefix("torch."), lambda: gemm_flops(device, dtype))
 
 
+BF16_MIN_SPEEDUP = 1.25
+"""How much faster than float32 a CPU's bf16 GEMMs must measure for the `auto` choices (the trainer's precision, the
+embedded engine's dtype) to take bf16 there: a CPU that reports AVX512-BF16 or AMX but runs them barely faster (an
+emulating hypervisor) runs in float32, which is then as fast and exact."""
+
+_warned_slow_bf16: set[str] = set()
+
+
+def fast_bf16(device: torch.device | str) -> tuple[bool, str]:
+    """Whether bf16 pays on `device`, and why: native (`models.load.native_bf16`: CUDA, a CPU with AVX512-BF16 or
+    AMX) and, on a CPU, its bf16 GEMMs measured (cached, once per machine) at least `BF16_MIN_SPEEDUP` times its
+    float32 ones; a CPU that fails the check is warned about once. `TRAINING_CPU_BF16` decides without the check."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return True, "bf16 is native on CUDA"
+    override = os.environ.get("TRAINING_CPU_BF16", "") if device.type == "cpu" else ""
+    if override:
+        return native_bf16(device), f"TRAINING_CPU_BF16={override}"
+    if not native_bf16(device):
+        return False, f"no native bf16 on {f'this CPU ({cpu_kind().isa()})' if device.type == 'cpu' else device.type}"
+    bf16, fp32 = (peak_flops(device, dtype).value for dtype in (torch.bfloat16, torch.float32))
+    measured = (f"its bf16 GEMMs measured {bf16 / fp32:.1f}x float32's ({bf16 / 1e9:.0f} against {fp32 / 1e9:.0f} "
+                "GFLOP/s)")
+    if bf16 / fp32 < BF16_MIN_SPEEDUP:
+        if machine_key(device) not in _warned_slow_bf16:
+            _warned_slow_bf16.add(machine_key(device))
+            log.warning("'auto' runs in float32: this CPU reports bf16 instructions (%s) but %s, under the %gx bf16 "
+                        "needs to pay; set trainer.precision='bf16-autocast' (and deployment.dtype='bfloat16') to use "
+                        "it anyway", cpu_kind().isa(), measured, BF16_MIN_SPEEDUP)
+        return False, f"{measured}, under {BF16_MIN_SPEEDUP}x, so float32"
+    return True, f"native bf16 ({cpu_kind().isa()}), {measured}"
+
+
 def memory_bandwidth(device: torch.device | str) -> Measurement:
     """Bytes per second a large copy reads and writes on `device`, cached."""
     device = torch.device(device)

@@ -4,26 +4,14 @@ matmuls run in (what its utilisation is measured against)."""
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 
 import torch
 
 from training.utils.config.rl import TrainerConfig
 from training.utils.errors import ConfigError
 from training.utils.models.frozen_casts import keep_casts
-from training.utils.models.load import native_bf16
 from training.utils.models.lora import frozen_matmul_weights
 from training.utils.runtime import machine_peak
-from training.utils.runtime.cpu_kind import cpu_kind
-
-log = logging.getLogger("training")
-
-
-BF16_MIN_SPEEDUP = 1.25
-"""How much faster than float32 a CPU's bf16 GEMMs must measure (`machine_peak`, once per machine) for `auto` to train
-in bf16 autocast there: a CPU that reports AVX512-BF16 or AMX but runs them barely faster (an emulating hypervisor)
-trains in float32, which is then as fast and exact."""
 
 
 def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
@@ -32,32 +20,13 @@ def resolve_precision(cfg: TrainerConfig, device: torch.device) -> str:
 
 
 def precision_choice(cfg: TrainerConfig, device: torch.device) -> tuple[str, str]:
-    """`cfg.precision` with `auto` decided, and why: bf16-autocast where bf16 is native (CUDA; a CPU with
-    AVX512-BF16 or AMX whose bf16 GEMMs measure at least `BF16_MIN_SPEEDUP` times its float32 ones, the self-check,
-    else float32 with a warning), fp32 elsewhere. `TRAINING_CPU_BF16` (`models.load.native_bf16`) decides without
-    the check."""
+    """`cfg.precision` with `auto` decided, and why: bf16-autocast where bf16 pays (`machine_peak.fast_bf16`: CUDA; a
+    CPU with AVX512-BF16 or AMX whose bf16 GEMMs measure at least `BF16_MIN_SPEEDUP` times its float32 ones, else
+    float32 with a warning), fp32 elsewhere."""
     if cfg.precision != "auto":
         return cfg.precision, "as set"
-    if device.type == "cuda":
-        return "bf16-autocast", "auto: bf16 is native on CUDA"
-    override = os.environ.get("TRAINING_CPU_BF16", "") if device.type == "cpu" else ""
-    if not native_bf16(device):
-        if override:
-            return "fp32", f"auto: TRAINING_CPU_BF16={override}"
-        where = f"this CPU ({cpu_kind().isa()})" if device.type == "cpu" else device.type
-        return "fp32", f"auto: no native bf16 on {where}"
-    if override:
-        return "bf16-autocast", f"auto: TRAINING_CPU_BF16={override}"
-    bf16, fp32 = (machine_peak.peak_flops(device, dtype) for dtype in (torch.bfloat16, torch.float32))
-    speedup = bf16.value / fp32.value
-    measured = (f"its bf16 GEMMs measured {speedup:.1f}x float32's ({bf16.value / 1e9:.0f} against "
-                f"{fp32.value / 1e9:.0f} GFLOP/s)")
-    if speedup < BF16_MIN_SPEEDUP:
-        log.warning("trainer.precision='auto' trains in float32: this CPU reports bf16 instructions (%s) but %s, "
-                    "under the %gx that bf16 autocast needs to pay; set trainer.precision='bf16-autocast' to use it "
-                    "anyway", cpu_kind().isa(), measured, BF16_MIN_SPEEDUP)
-        return "fp32", f"auto: {measured}, under {BF16_MIN_SPEEDUP}x, so float32"
-    return "bf16-autocast", f"auto: native bf16 ({cpu_kind().isa()}), {measured}"
+    fast, why = machine_peak.fast_bf16(device)
+    return ("bf16-autocast" if fast else "fp32"), f"auto: {why}"
 
 
 def weights_dtype(precision: str) -> torch.dtype:
