@@ -19,8 +19,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-MATRIX_FLAGS = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16", "avx512f": "AVX512", "avx2": "AVX2"}
-"""/proc/cpuinfo flags that decide the matrix kernels a CPU runs, strongest last to first, with their names."""
+MATRIX_FLAGS = frozenset({"amx_bf16", "avx512_bf16", "avx512f", "avx2"})
+"""/proc/cpuinfo flags that decide the matrix kernels a CPU runs (`CpuKind.isa` names them)."""
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -105,7 +105,7 @@ def parse_cpuinfo(text: str) -> tuple[str, int | None, int | None, frozenset[str
     def number(key: str) -> int | None:
         return int(fields[key]) if fields.get(key, "").isdigit() else None
 
-    flags = frozenset(fields.get("flags", "").split()) & MATRIX_FLAGS.keys()
+    flags = frozenset(fields.get("flags", "").split()) & MATRIX_FLAGS
     return (fields.get("model name") or platform.processor() or platform.machine(), number("cpu family"),
             number("model"), flags)
 

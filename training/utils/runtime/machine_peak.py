@@ -120,8 +120,8 @@ def fast_bf16(device: torch.device | str) -> tuple[bool, str]:
     measured = (f"its bf16 GEMMs measured {bf16 / fp32:.1f}x float32's ({bf16 / 1e9:.0f} against {fp32 / 1e9:.0f} "
                 "GFLOP/s)")
     if bf16 / fp32 < BF16_MIN_SPEEDUP:
-        if machine_key(device) not in _warned_slow_bf16:
-            _warned_slow_bf16.add(machine_key(device))
+        if (key := machine_key(device)) not in _warned_slow_bf16:
+            _warned_slow_bf16.add(key)
             log.warning("'auto' runs in float32: this CPU reports bf16 instructions (%s) but %s, under the %gx bf16 "
                         "needs to pay; set trainer.precision='bf16-autocast' (and deployment.dtype='bfloat16') to use "
                         "it anyway", cpu_kind().isa(), measured, BF16_MIN_SPEEDUP)
