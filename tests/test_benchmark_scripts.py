@@ -150,6 +150,20 @@ def check_gemm_shapes(out: str) -> None:
         assert float(gemm) == totals[dtype] and float(ratio) == pytest.approx(float(seconds) / float(gemm), rel=0.02)
 
 
+def check_decode_gemms(out: str) -> None:
+    rows = figures(r"(?m)^\| (\d+) \| NUMBER \(NUMBER, NUMBER\) \| NUMBER \| NUMBER \| NUMBERx \| NUMBER "
+                   r"\| NUMBER \| NUMBER% \|$", out)
+    assert [r[0] for r in rows] == [1, 3], rows
+    for _, bound, by_bytes, by_flops, plain, packed, ratio, _, whole, share in rows:
+        # Each printed figure follows from the others to their rounding: the bound is the larger of its two parts,
+        # the ratio and the share are quotients of the times beside them.
+        assert bound == max(by_bytes, by_flops) and plain > 0 and packed > 0 and whole > 0
+        assert ratio == pytest.approx(plain / packed, abs=0.01 + 0.06 * plain / packed)
+        assert share == pytest.approx(100 * plain / whole, abs=1 + 6 * plain / whole)
+    # The FLOPs bound grows with the rows; the bytes bound (every weight read once) does not.
+    assert rows[1][3] >= rows[0][3] and rows[1][2] == rows[0][2]
+
+
 SCRIPTS = {
     "sampler_throughput": (["--model", "tiny-random", "--requests", "4", "--max-tokens", "8"],
                            check_sampler_throughput),
@@ -163,6 +177,8 @@ SCRIPTS = {
                                  "--warmup", "0", "--variants", "lora4,lora4+percast", "--precision",
                                  "bf16-autocast"], check_trainer_throughput(["lora4", "lora4+percast"])),
     "machine_peak": ([], check_machine_peak),
+    "decode_gemms": (["--model", "tiny-random", "--rows", "1", "3", "--rounds", "1", "--steps", "1"],
+                     check_decode_gemms),
     "gemm_shapes": (["--model", "tiny-random", "--batch", "8", "--group-size", "4", "--repeats", "1"],
                     check_gemm_shapes),
     "lora_engine": (["--model", "tiny-random", "--repeats", "1"],
