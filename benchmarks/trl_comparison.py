@@ -101,15 +101,16 @@ def rows_in_our_order(n: int) -> list[dict]:
 # ---- TRL side ---------------------------------------------------------------------------------------------
 
 def run_trl(options: dict, steps: int, out_dir: Path) -> dict:
+    # No Hub: the model is the local SmolLM2 directory, and TRL, datasets and transformers read these at import.
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from training.examples.rl.single_turn_token_in.verifier import score
-    from training.utils.models.load import resolve_model_source, set_offline
+    from training.utils.models.load import resolve_model_source
 
-    set_offline()
     model_dir = str(resolve_model_source("smollm2-135m-instruct"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     rows = rows_in_our_order(P * (steps + 1))
