@@ -9,7 +9,8 @@ Each layer has weights of its own (fresh tensors of the model's sizes, so that t
 step's do; one weight timed over and over would sit in the cache and read faster than any step sees). The packed
 arm reorders each weight once (`torch.ops.mkldnn._reorder_linear_weight`) and multiplies with
 `torch.ops.mkldnn._linear_pointwise`: the same products, in oneDNN's blocked layout, the way vLLM's CPU build keeps
-its weights. The arms take turns within each round; the median round is printed.
+its weights; oneDNN's bf16 path needs AVX512 (or AVX-NE-CONVERT), so on a CPU without it the packed arm prints
+`n/a`. The arms take turns within each round; the median round is printed.
 
     python benchmarks/decode_gemms.py                      # 1, 16, 64, 256 rows
     python benchmarks/decode_gemms.py --rows 16 --rounds 7
@@ -38,12 +39,12 @@ from training.utils.runtime import machine_peak  # noqa: E402
 class DecodeProjections:
     """Every layer's seven projections and the vocabulary head at `rows` rows, plain and pre-packed."""
 
-    def __init__(self, config, rows: int):
+    def __init__(self, config, rows: int, packed: bool):
         make = lambda *size: torch.randn(*size, dtype=torch.bfloat16) * 0.02  # noqa: E731
         shapes = projections(config) * config.num_hidden_layers + [(config.hidden_size, config.vocab_size)]
         self.weights = [make(out, in_) for in_, out in shapes]
         self.inputs = {in_: make(rows, in_) for in_, _ in shapes}
-        self.packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in self.weights]
+        self.packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in self.weights] if packed else None
         self.weight_bytes = sum(w.numel() * w.element_size() for w in self.weights)
         self.flops = sum(2 * rows * w.numel() for w in self.weights)
 
@@ -87,6 +88,7 @@ def main() -> None:
     cpu = torch.device("cpu")
     bandwidth = machine_peak.memory_bandwidth(cpu).value
     peak = machine_peak.peak_flops(cpu, torch.bfloat16).value
+    packable = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     model, _ = load_model_and_tokenizer(args.model, dtype=torch.bfloat16)
     model.eval()
     cpu_attention.use_cpu_attention(model, cpu_attention.DECODE_NAME)
@@ -96,9 +98,9 @@ def main() -> None:
           "| plain's GB/s | whole decode step ms | projections' share |")
     print("|---|---|---|---|---|---|---|---|")
     for rows in args.rows:
-        gemms = DecodeProjections(model.config, rows)
+        gemms = DecodeProjections(model.config, rows, packable)
         step = decode_step(model, rows, args.prompt_tokens, args.steps)
-        timed = {"plain": gemms.plain, "packed": gemms.prepacked, "step": step}
+        timed = {"plain": gemms.plain, "step": step} | ({"packed": gemms.prepacked} if packable else {})
         for fn in timed.values():  # warm-up: first-touch pages, oneDNN's kernel choice
             fn()
         rounds = []
@@ -109,11 +111,16 @@ def main() -> None:
                 fn()
                 round_s[name] = time.perf_counter() - start
             rounds.append(round_s)
-        plain, packed, whole = (statistics.median(r[name] for r in rounds) for name in timed)
+        plain, whole = (statistics.median(r[name] for r in rounds) for name in ("plain", "step"))
         whole /= args.steps
+        if packable:
+            packed = statistics.median(r["packed"] for r in rounds)
+            packed_columns = f"{packed * 1e3:.3f} | {plain / packed:.2f}x"
+        else:
+            packed_columns = "n/a | n/a"
         by_bytes, by_flops = gemms.weight_bytes / bandwidth, gemms.flops / peak
         print(f"| {rows} | {max(by_bytes, by_flops) * 1e3:.3f} ({by_bytes * 1e3:.3f}, {by_flops * 1e3:.3f}) "
-              f"| {plain * 1e3:.3f} | {packed * 1e3:.3f} | {plain / packed:.2f}x "
+              f"| {plain * 1e3:.3f} | {packed_columns} "
               f"| {gemms.weight_bytes / plain / 1e9:.1f} | {whole * 1e3:.2f} | {plain / whole:.0%} |", flush=True)
 
 
