@@ -19,8 +19,6 @@ its weights; oneDNN's bf16 path needs AVX512 (or AVX-NE-CONVERT), so on a CPU wi
 from __future__ import annotations  # noqa: I001 - `training` before torch, as the examples import it
 
 import argparse
-import statistics
-import time
 
 import training
 
@@ -28,7 +26,8 @@ training.set_openmp_wait_policy()  # before torch loads (training/utils/runtime/
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from gemm_shapes import projections  # noqa: E402
+from decode_attention import ms_per_step  # noqa: E402
+from gemm_shapes import projections, taking_turns  # noqa: E402
 
 from training.utils.deploy.decode import KVBatch  # noqa: E402
 from training.utils.models import cpu_attention  # noqa: E402
@@ -67,10 +66,8 @@ def decode_step(model, rows: int, prompt_tokens: int, steps: int):
     first = logits.argmax(-1)
 
     def run() -> None:
-        with torch.inference_mode():
-            batch, tokens = KVBatch.gather([(prefilled, None)], 0), first  # a copy: each round from the same context
-            for _ in range(steps):
-                tokens = batch.decode(model, tokens).argmax(-1)
+        with torch.inference_mode():  # each round decodes from a copy of the same context
+            ms_per_step(model, prefilled, first, steps, cpu_attention.DECODE_CHUNK_BYTES)
     return run
 
 
@@ -101,20 +98,10 @@ def main() -> None:
         gemms = DecodeProjections(model.config, rows, packable)
         step = decode_step(model, rows, args.prompt_tokens, args.steps)
         timed = {"plain": gemms.plain, "step": step} | ({"packed": gemms.prepacked} if packable else {})
-        for fn in timed.values():  # warm-up: first-touch pages, oneDNN's kernel choice
-            fn()
-        rounds = []
-        for _ in range(args.rounds):
-            round_s = {}
-            for name, fn in timed.items():
-                start = time.perf_counter()
-                fn()
-                round_s[name] = time.perf_counter() - start
-            rounds.append(round_s)
-        plain, whole = (statistics.median(r[name] for r in rounds) for name in ("plain", "step"))
-        whole /= args.steps
+        seconds = taking_turns(timed, args.rounds)
+        plain, whole = seconds["plain"], seconds["step"] / args.steps
         if packable:
-            packed = statistics.median(r["packed"] for r in rounds)
+            packed = seconds["packed"]
             packed_columns = f"{packed * 1e3:.3f} | {plain / packed:.2f}x"
         else:
             packed_columns = "n/a | n/a"
